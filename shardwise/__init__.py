@@ -1,0 +1,26 @@
+"""shardwise: fully-sharded data parallel training for PyTorch.
+
+A drop-in for ``torch.distributed.fsdp``'s FSDP2 API: switch the import line and keep
+the rest of the training script::
+
+    from shardwise import fully_shard, FSDPModule, MixedPrecisionPolicy
+
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+"""
+
+from shardwise.fully_shard import fully_shard
+from shardwise.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]

@@ -1,0 +1,92 @@
+"""The collectives of one group, as plain functions of tensors and process groups.
+
+Data flow of one group (N ranks in the shard group, P = sum of padded shard numels)::
+
+    unshard:  flat shard (P,) --all_gather--> gathered (N*P,) --copy_out--> per-param (N*pn,) segments
+    reduce:   unsharded grads --pack_for_reduce--> (N, Pg) --reduce_scatter--> (Pg,) our shard
+              [HSDP: --all_reduce over the replicate group-->]
+
+Every function records itself in :mod:`shardwise.comm_stats`. World size 1 never calls a
+collective: the caller copies instead. Averaging is a SUM plus explicit scaling
+(``ReducePlan``): gloo has neither AVG nor PREMUL_SUM, and fp16 needs its sum split into a
+pre- and post-divide to avoid overflow.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from shardwise import comm_stats
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
+    """All-gather ``input`` (P,) from every rank into ``output`` (N*P,), rank-major."""
+    comm_stats.record("all_gather", _nbytes(output), dist.get_world_size(group))
+    return dist.all_gather_single(output, input, group=group, async_op=async_op)
+
+
+def copy_out(gathered: torch.Tensor, num_shards: int, split_sizes: list[int], outs: list[torch.Tensor]) -> None:
+    """Scatter the rank-major ``gathered`` (N*P,) into per-param (N*pn,) segments ``outs``.
+
+    Column block i of ``gathered.view(N, P)`` holds every rank's padded shard of param i,
+    which is exactly param i's unsharded rows (plus padding) once laid out row-major.
+    """
+    rows = gathered.view(num_shards, -1)  # (N, P)
+    targets = [out.view(num_shards, -1) for out in outs]  # (N, pn_i)
+    if len(targets) == 1:
+        targets[0].copy_(rows)
+        return
+    torch.split_with_sizes_copy(rows, split_sizes, dim=1, out=targets)
+
+
+def pack_for_reduce(chunked_grads: list[torch.Tensor], num_shards: int) -> torch.Tensor:
+    """Lay gradients out rank-major: row r of the (N, Pg) result is rank r's padded shards.
+
+    Each gradient is split like ``torch.chunk`` along dim 0 and padded to ``ceil(D0/N)``
+    rows, matching the shard layout of param.py.
+    """
+    return torch._chunk_cat(chunked_grads, dim=0, num_chunks=num_shards)  # (N, Pg)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
+    """SUM-reduce-scatter ``input`` (N*Pg,) into our ``output`` (Pg,)."""
+    comm_stats.record("reduce_scatter", _nbytes(input), dist.get_world_size(group))
+    return dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
+    """SUM-all-reduce ``tensor`` in place."""
+    comm_stats.record("all_reduce", _nbytes(tensor), dist.get_world_size(group))
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+class ReducePlan(NamedTuple):
+    """Scale by ``1/pre_divide`` before a SUM collective and by ``1/post_divide`` after it."""
+
+    pre_divide: float
+    post_divide: float
+
+
+def plan_reduction(dtype: torch.dtype, world: int, divide_factor: float | None, force_sum: bool) -> ReducePlan:
+    """How to turn a SUM over ``world`` ranks into the gradient the user expects.
+
+    Default: the mean (divide by ``world``). ``divide_factor``: divide by it instead.
+    ``force_sum``: no division. fp16 splits the divisor into a power of two before the sum
+    and the rest after, so the partial sums stay in range.
+    """
+    if force_sum:
+        return ReducePlan(1.0, 1.0)
+    factor = float(world if divide_factor is None else divide_factor)
+    if dtype == torch.float16 and factor > 1:
+        pre = float(2 ** math.ceil(math.log2(math.sqrt(factor))))
+        pre = min(pre, factor)
+        return ReducePlan(pre, factor / pre)
+    return ReducePlan(1.0, factor)

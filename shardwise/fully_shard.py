@@ -1,0 +1,194 @@
+"""fully_shard(): validate → mesh → params → group → state → class swap.
+
+Apply it bottom-up: each call manages the parameters of its module(s) that no earlier
+call on a submodule manages, minus ``ignored_params``, and all of them move in one
+all-gather and one reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable_state import _insert_module_state
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from shardwise import init_checks
+from shardwise.group import ParamGroup
+from shardwise.mesh import MeshInfo, default_mesh, fully_shard_mesh_info
+from shardwise.module import FSDPModule
+from shardwise.param import ParamSite, ShardedParam
+from shardwise.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
+from shardwise.state import STATE_ATTR, ModuleState, get_state
+
+__all__ = ["fully_shard"]
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+):
+    """Shard ``module``'s parameters over ``mesh`` and gather them around its forward/backward.
+
+    After this call each managed parameter is an ``nn.Parameter`` wrapping a ``DTensor``
+    sharded on dim 0 (like ``torch.chunk``), the module's class becomes ``FSDP<Orig>``
+    (an :class:`FSDPModule`), and forward/backward hooks all-gather the parameters before
+    they are used, free them afterwards, and reduce-scatter the gradients (the mean over
+    the data-parallel ranks) into sharded DTensor ``.grad``s.
+
+    Args:
+        module: the module, or a list of modules that communicate as one group.
+        mesh: a 1-D DeviceMesh (FSDP) or a 2-D one with named dims (HSDP: replicate,
+            shard). Default: 1-D over the default process group.
+        reshard_after_forward: True frees the unsharded parameters after forward (they are
+            all-gathered again in backward); False keeps them until after backward. None
+            (default) means True, except for the root module, which uses False. An int is
+            the size of the smaller shard group kept after forward.
+        shard_placement_fn: maps a parameter to the ``Shard(dim)`` to use (None: dim 0).
+        mp_policy: mixed precision (see :class:`MixedPrecisionPolicy`).
+        offload_policy: :class:`OffloadPolicy` (default, none) or :class:`CPUOffloadPolicy`.
+        ignored_params: parameters left unmanaged (not sharded, not reduced).
+
+    Returns:
+        The same module (or list), now an instance of :class:`FSDPModule`.
+    """
+    modules = _check_modules(module)
+    check_policies(mp_policy, offload_policy)
+    mesh_info = fully_shard_mesh_info(mesh if mesh is not None else default_mesh())
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh_info)
+    params, sites, buffers = _managed_tensors(modules, ignored_params or set())
+    device = mesh_info.device
+    _move_buffers(buffers, device)
+    group = None
+    if params:
+        sharded = [
+            ShardedParam(p, s, mesh_info, _shard_dim(shard_placement_fn, p, s)) for p, s in zip(params, sites)
+        ]
+        group = ParamGroup(sharded, params, mesh_info, device, mp_policy, offload_policy)
+        for p, sp in zip(params, sharded):
+            sp.shared_with = init_checks.claim_original_param(p, sp)
+    state = ModuleState(modules, group, mesh_info, device, mp_policy, reshard_after_forward)
+    for m in modules:
+        m.__dict__[STATE_ATTR] = state
+        _insert_module_state(m, state)
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def _check_modules(module: object) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}: {m!r}")
+        if type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard does not support {type(m).__name__}: it implements no forward() (a container); "
+                "apply it to each child module (for layer in model.layers: fully_shard(layer)) or to the parent"
+            )
+        if get_state(m) is not None:
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
+    return modules
+
+
+def _check_reshard_after_forward(value: object, mesh_info: MeshInfo) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(
+            "reshard_after_forward must be a bool, an int (the size of the shard group kept after "
+            f"forward) or None, got {type(value).__name__}: {value!r}"
+        )
+    size = mesh_info.shard_size
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 keeps a shard of one rank, i.e. the whole parameter; treating it as False",
+            stacklevel=3,
+        )
+        return False
+    if value == size:
+        return True
+    if value < 1 or value > size or size % value != 0:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard group size {size} and lie in [1, {size}]"
+        )
+    raise NotImplementedError(
+        f"reshard_after_forward={value} (a shard group smaller than {size}) is not supported yet; "
+        "use True or False"
+    )
+
+
+def _managed_tensors(modules: list[nn.Module], ignored: set) -> tuple[list, list[list[ParamSite]], list]:
+    """Params (with every site they are registered at) and buffers of the managed modules.
+
+    Managed modules: the subtrees of ``modules``, stopping at submodules an earlier
+    fully_shard call already owns.
+    """
+    managed: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module, top: bool) -> None:
+        if id(m) in seen or (not top and get_state(m) is not None):
+            return
+        seen.add(id(m))
+        managed.append(m)
+        for child in m.children():
+            visit(child, False)
+
+    for m in modules:
+        visit(m, True)
+    params: list[nn.Parameter] = []
+    sites: dict[int, list[ParamSite]] = {}
+    buffers = []
+    for m in managed:
+        for name, p in m._parameters.items():
+            if p is None or p in ignored:
+                continue
+            if id(p) not in sites:
+                params.append(p)
+                sites[id(p)] = []
+            sites[id(p)].append(ParamSite(m, name))
+        buffers.extend((m, name) for name, b in m._buffers.items() if b is not None)
+    return params, [sites[id(p)] for p in params], buffers
+
+
+def _shard_dim(fn: Callable | None, param: nn.Parameter, sites: list[ParamSite]) -> int:
+    if fn is None:
+        return 0
+    placement = fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(
+            f"shard_placement_fn must return a torch.distributed.tensor.Shard or None, got {placement!r} "
+            f"for parameter {sites[0].name!r} of {type(sites[0].module).__name__}"
+        )
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.dim():
+        raise ValueError(f"shard_placement_fn returned {placement} for a {param.dim()}-d parameter {sites[0].name!r}")
+    return dim
+
+
+def _move_buffers(buffers: list, device: torch.device) -> None:
+    for module, name in buffers:
+        buffer = module._buffers[name]
+        if not buffer.is_meta and buffer.device != device:
+            module._buffers[name] = buffer.to(device)
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _FSDP_CLASSES[cls]

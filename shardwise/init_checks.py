@@ -1,0 +1,115 @@
+"""Checks and naming done once, at lazy init, before any collective can hang.
+
+* :func:`assign_fqns` names every state, group and parameter relative to the root.
+* :func:`claim_original_param` / :func:`check_no_param_in_two_groups`: a parameter object
+  handed to two ``fully_shard`` calls (e.g. tied weights split across groups) would be
+  sharded twice and trained wrong silently; the second claim is remembered and reported
+  with both FQNs. Claims are weak, so a freed parameter whose ``id`` is reused later
+  (layer-by-layer sharding with ``gc.collect()``) never looks shared.
+* :func:`check_ranks_agree`: ranks that built different models would issue collectives
+  of different sizes and hang or corrupt data. Every rank publishes its parameter
+  shapes/dtypes in the c10d store (no collective) and compares with the others; a rank
+  that never arrives is a timeout error naming it, not a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import weakref
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+import torch.nn as nn
+
+if TYPE_CHECKING:  # imports for annotations only; state.py imports this module
+    from shardwise.param import ShardedParam
+    from shardwise.state import ModuleState
+
+_CLAIMS: "weakref.WeakKeyDictionary[nn.Parameter, weakref.ref]" = weakref.WeakKeyDictionary()
+_CHECK_ROUND = [0]
+
+
+def claim_original_param(param: nn.Parameter, sharded: "ShardedParam") -> "weakref.ref | None":
+    """Record that ``sharded`` now manages ``param``; return the earlier claimant, if any."""
+    earlier = _CLAIMS.get(param)
+    _CLAIMS[param] = weakref.ref(sharded)
+    return earlier
+
+
+def assign_fqns(root: nn.Module, states: list["ModuleState"]) -> None:
+    names = {id(module): name for name, module in root.named_modules()}
+    for state in states:
+        state.fqn = ", ".join(names.get(id(m), type(m).__name__) for m in state.modules)
+        if state.group is None:
+            continue
+        state.group.fqn = state.fqn
+        for p in state.group.params:
+            prefix = names.get(id(p.sites[0].module), "")
+            p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
+
+
+def check_no_param_in_two_groups(states: list["ModuleState"]) -> None:
+    for state in states:
+        if state.group is None:
+            continue
+        for p in state.group.params:
+            other = p.shared_with() if p.shared_with is not None else None
+            if other is not None:
+                raise ValueError(
+                    f"parameter {p.fqn!r} is the same nn.Parameter as {other.fqn!r}, which an earlier "
+                    "fully_shard call already manages; a parameter can belong to only one fully_shard "
+                    "group: apply fully_shard to a common ancestor of both modules, or group them with "
+                    "fully_shard([module_a, module_b])"
+                )
+
+
+def _signature(states: list["ModuleState"]) -> list[tuple]:
+    rows = []
+    for state in states:
+        if state.group is None:
+            continue
+        for p in state.group.params:
+            rows.append((p.fqn, tuple(p.orig_size), str(p.sharded_param.dtype)))
+    return rows
+
+
+def check_ranks_agree(states: list["ModuleState"]) -> None:
+    """Compare parameter names, shapes and dtypes across the root mesh's ranks via the store."""
+    ranks = states[0].mesh_info.mesh.mesh.flatten().tolist()
+    if len(ranks) == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    _CHECK_ROUND[0] += 1
+    prefix = f"shardwise/init/{_CHECK_ROUND[0]}/{'-'.join(map(str, ranks))}"
+    mine = _signature(states)
+    store.set(f"{prefix}/{dist.get_rank()}", pickle.dumps(mine))
+    keys = [f"{prefix}/{r}" for r in ranks]
+    timeout = float(os.environ.get("SHARDWISE_INIT_TIMEOUT_S", "300"))
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as err:  # c10d raises DistStoreError/RuntimeError depending on the store
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        raise RuntimeError(
+            f"shardwise lazy init: ranks {missing} did not reach the first forward of the root within "
+            f"{timeout:.0f}s (rank {dist.get_rank()} waited); every rank must run the same model code"
+        ) from err
+    for rank, key in zip(ranks, keys):
+        _compare(mine, pickle.loads(store.get(key)), rank)
+
+
+def _compare(mine: list[tuple], theirs: list[tuple], rank: int) -> None:
+    me = dist.get_rank()
+    for a, b in zip(mine, theirs):
+        if a != b:
+            raise ValueError(
+                f"ranks disagree on a sharded parameter: rank {me} has {a[0]!r} shape {a[1]} {a[2]}, "
+                f"rank {rank} has {b[0]!r} shape {b[1]} {b[2]}; every rank must build the same model "
+                "(same shapes and dtypes) before fully_shard"
+            )
+    if len(mine) != len(theirs):
+        raise ValueError(
+            f"ranks disagree on the number of sharded parameters: rank {me} has {len(mine)}, rank {rank} "
+            f"has {len(theirs)}; every rank must build the same model and call fully_shard the same way"
+        )

@@ -1,0 +1,103 @@
+"""What a DeviceMesh means for data parallelism.
+
+``fully_shard`` accepts a 1-D mesh (shard over every rank) or a 2-D mesh with named dims
+(HSDP: replicate over dim 0, shard over dim 1). ``replicate`` uses a 1-D mesh as a pure
+replicate dimension. :class:`MeshInfo` turns the mesh into the few facts the rest of the
+library needs: which process group shards, which replicates, their sizes and our ranks
+in them, and the device the parameters live on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshInfo:
+    """The data-parallel reading of a DeviceMesh.
+
+    Attributes:
+        mesh: the mesh parameters' DTensors live on.
+        shard_mesh_dim: mesh dim parameters are sharded over (``None``: replicate only).
+        replicate_mesh_dim: mesh dim gradients are all-reduced over (``None``: no HSDP).
+    """
+
+    mesh: DeviceMesh
+    shard_mesh_dim: int | None
+    replicate_mesh_dim: int | None
+
+    @functools.cached_property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        return None if self.shard_mesh_dim is None else self.mesh.get_group(self.shard_mesh_dim)
+
+    @functools.cached_property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        return None if self.replicate_mesh_dim is None else self.mesh.get_group(self.replicate_mesh_dim)
+
+    @functools.cached_property
+    def shard_size(self) -> int:
+        return 1 if self.shard_mesh_dim is None else self.mesh.size(self.shard_mesh_dim)
+
+    @functools.cached_property
+    def shard_rank(self) -> int:
+        return 0 if self.shard_mesh_dim is None else self.mesh.get_local_rank(self.shard_mesh_dim)
+
+    @functools.cached_property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate_mesh_dim is None else self.mesh.size(self.replicate_mesh_dim)
+
+    @functools.cached_property
+    def device(self) -> torch.device:
+        return device_of_mesh(self.mesh)
+
+
+def device_of_mesh(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh's tensors live on in this process (``cuda:<current>`` for cuda)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def default_mesh(dim_name: str | None = None) -> DeviceMesh:
+    """A 1-D mesh over the default process group on this process's device type."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "shardwise needs torch.distributed initialised before fully_shard/replicate when no mesh is "
+            "given: call torch.distributed.init_process_group() (torchrun sets the environment), "
+            "or pass mesh=init_device_mesh(...)."
+        )
+    device_type = "cpu"
+    if dist.get_backend() != "gloo" and torch.cuda.is_available():
+        device_type = "cuda"
+    names = (dim_name,) if dim_name else None
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=names)
+
+
+def fully_shard_mesh_info(mesh: object) -> MeshInfo:
+    """Validate ``mesh`` for fully_shard and read it: 1-D shards, 2-D is (replicate, shard)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(
+            f"fully_shard expects mesh to be a torch.distributed.device_mesh.DeviceMesh, got "
+            f"{type(mesh).__name__}: build one with init_device_mesh('cpu' or 'cuda', (world_size,))"
+        )
+    if mesh.ndim == 1:
+        return MeshInfo(mesh, shard_mesh_dim=0, replicate_mesh_dim=None)
+    if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"fully_shard got a 2-D mesh without dim names {mesh}; a 2-D mesh means HSDP "
+                "(replicate over dim 0, shard over dim 1), so name its dims, e.g. "
+                "init_device_mesh(device, (r, s), mesh_dim_names=('replicate', 'shard')), or pass a 1-D "
+                "mesh such as mesh['dp']."
+            )
+        return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    raise ValueError(
+        f"fully_shard expects a 1-D or 2-D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}; "
+        "slice the data-parallel dims out of it, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']."
+    )

@@ -1,0 +1,92 @@
+"""Configuration objects for :func:`shardwise.fully_shard`: frozen, validated on construction.
+
+They mirror ``torch.distributed.fsdp``'s policies field for field, so a training script can
+switch imports without touching its configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+
+
+def _check_float_dtype(field: str, dtype: torch.dtype | None) -> None:
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"MixedPrecisionPolicy.{field} must be a torch.dtype or None, got {dtype!r}")
+    if not dtype.is_floating_point:
+        raise ValueError(
+            f"MixedPrecisionPolicy.{field} must be a floating-point dtype "
+            f"(torch.float32, torch.bfloat16, torch.float16, ...), got {dtype}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """How parameters, gradients and activations are cast around the collectives.
+
+    Attributes:
+        param_dtype: dtype of the unsharded parameters used in forward/backward. The
+            shard is cast *before* the all-gather, so bf16/fp16 halve the bytes on the
+            wire. ``None`` keeps the original dtype. The sharded parameters (what the
+            optimizer updates) always keep their original dtype.
+        reduce_dtype: dtype of the gradient reduction. ``None`` means ``param_dtype``.
+            Reduced gradients are stored on the sharded parameter in its original dtype.
+        output_dtype: if set, floating-point forward outputs are cast to it.
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            _check_float_dtype(field, getattr(self, field))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                f"MixedPrecisionPolicy.cast_forward_inputs must be a bool, got {self.cast_forward_inputs!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPolicy:
+    """The default: no offloading; sharded state lives on the mesh's device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, their gradients (and so the optimizer state) in host memory.
+
+    Each unshard copies the shard to the device before the all-gather; each reduction
+    copies the reduced gradient back, so the optimizer steps on the host.
+
+    Attributes:
+        pin_memory: pin the host copies so host-device copies can overlap compute. Only
+            meaningful when an accelerator exists; on a CPU-only machine there is nothing
+            to pin and the flag is accepted and ignored.
+    """
+
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}")
+
+
+def check_policies(mp_policy: object, offload_policy: object) -> None:
+    """Raise a TypeError naming the argument when a policy object has the wrong type."""
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a shardwise.MixedPrecisionPolicy, got {type(mp_policy).__name__}: {mp_policy!r}"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            "offload_policy must be a shardwise.OffloadPolicy or CPUOffloadPolicy, "
+            f"got {type(offload_policy).__name__}: {offload_policy!r}"
+        )

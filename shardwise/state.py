@@ -1,0 +1,274 @@
+"""ModuleState: the hooks and lifecycle of one ``fully_shard`` call.
+
+Per training step, for each state (see ARCHITECTURE.md, "One training step")::
+
+    pre-forward   unshard + wait, forward-prefetch, wrap inputs in the post-backward trigger
+    post-forward  reshard (unless kept), hook the outputs for pre-backward, record order
+    pre-backward  unshard + wait, prefetch the module that ran just before in forward
+    post-backward reduce grads (async), reshard
+    final (root)  reduce what no trigger reached (the root, unused inputs), wait all, reset
+
+All states under one root share an :class:`IterationContext` (made at lazy init, on the
+root's first forward): the list of states, the forward order of this iteration, and the
+flag that the end-of-backward callback is queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable_state import _State
+from torch.utils._pytree import tree_flatten, tree_map
+
+from shardwise import init_checks
+from shardwise.group import ParamGroup, TrainingState
+from shardwise.mesh import MeshInfo
+from shardwise.policies import MixedPrecisionPolicy
+
+logger = logging.getLogger(__name__)
+
+STATE_ATTR = "_shardwise_state"
+
+
+def get_state(module: nn.Module) -> "ModuleState | None":
+    return module.__dict__.get(STATE_ATTR)
+
+
+class IterationContext:
+    """What the states under one root share: membership and per-iteration bookkeeping."""
+
+    root: "ModuleState"
+    states: list["ModuleState"]  # pre-order from the root
+    post_forward_order: list["ModuleState"]  # states in the order their forward finished
+    final_callback_queued: bool
+    reducing: ParamGroup | None  # the group whose reduction was issued last
+
+    def __init__(self, root: "ModuleState", states: list["ModuleState"]):
+        self.root = root
+        self.states = states
+        self.post_forward_order = []
+        self.final_callback_queued = False
+        self.reducing = None
+
+    def queue_final_callback(self) -> None:
+        if self.final_callback_queued:
+            return
+        self.final_callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        """End of backward: reduce leftovers, wait for every reduction, reshard, reset."""
+        for state in self.states:
+            if state.group is not None and state.group.training_state != TrainingState.POST_BACKWARD:
+                state.post_backward()
+        for state in self.states:
+            state.finish_iteration()
+        self.post_forward_order.clear()
+        self.reducing = None
+        self.final_callback_queued = False
+
+
+class _PostBackwardTrigger(torch.autograd.Function):
+    """Identity on a module's forward inputs; its backward runs once the module's grads are done."""
+
+    @staticmethod
+    def forward(ctx, state_ref, *inputs):
+        ctx.state_ref = state_ref
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        state = ctx.state_ref()
+        if state is not None:
+            state.post_backward()
+        return (None,) + grads
+
+
+class ModuleState(_State):
+    """Hooks for the module(s) of one fully_shard call, delegating the work to its group."""
+
+    modules: tuple[nn.Module, ...]
+    group: ParamGroup | None  # None when the call manages no parameters
+    mesh_info: MeshInfo
+    device: torch.device
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool | int | None  # None: resolved at lazy init (root False, else True)
+    is_root: bool | None  # None until lazy init
+    ctx: IterationContext | None
+    forward_prefetch: list["ModuleState"]
+    backward_prefetch: list["ModuleState"] | None  # None: implicit (reverse forward order)
+
+    def __init__(self, modules, group, mesh_info, device, mp_policy, reshard_after_forward):
+        super().__init__()
+        self.modules = tuple(modules)
+        self.group = group
+        self.mesh_info = mesh_info
+        self.device = device
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.is_root = None
+        self.ctx = None
+        self.fqn = ""
+        self.forward_prefetch = []
+        self.backward_prefetch = None
+        self._post_forward_indices: list[int] = []
+        for module in self.modules:
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, prepend=False, with_kwargs=True)
+
+    def __repr__(self) -> str:
+        return f"ModuleState({self.fqn or type(self.modules[0]).__name__!r}, root={self.is_root})"
+
+    # ---- lazy init --------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """On the first forward (or unshard) of the root: find every state, fix FQNs, check."""
+        if self.ctx is not None:
+            return
+        states = _states_under(self.modules)
+        for state in states[1:]:
+            if state.ctx is not None:
+                raise RuntimeError(
+                    f"shardwise: {state!r} already ran forward as its own root before {type(self.modules[0]).__name__} "
+                    "(the root) ran; run forward through the root module first, or call reset on a fresh model"
+                )
+        ctx = IterationContext(self, states)
+        for state in states:
+            state.ctx = ctx
+            state.is_root = state is self
+        init_checks.assign_fqns(self.modules[0], states)
+        for state in states:
+            state._resolve_reshard_after_forward()
+        init_checks.check_no_param_in_two_groups(states)
+        init_checks.check_ranks_agree(states)
+        logger.debug("shardwise lazy init: root %s with %d states", self, len(states))
+
+    def _resolve_reshard_after_forward(self) -> None:
+        if self.group is None:
+            return
+        policy = self.reshard_after_forward
+        self.group.reshard_after_forward = (not self.is_root) if policy is None else bool(policy)
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.ctx is None:
+            self.lazy_init()
+        if self.is_root and self.device.type != "cpu":
+            args, kwargs = tree_map(self._to_device, (args, kwargs))
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floating(self.mp_policy.param_dtype, (args, kwargs))
+        if self.group is not None:
+            self.group.training_state = TrainingState.FORWARD
+            self.group.unshard()
+            self.group.wait_for_unshard()
+            for target in self.forward_prefetch:
+                target.prefetch()
+        if torch.is_grad_enabled():
+            args, kwargs = self._wrap_post_backward_trigger(args, kwargs)
+        return args, kwargs
+
+    def _to_device(self, x: Any) -> Any:
+        return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+
+    def _wrap_post_backward_trigger(self, args: tuple, kwargs: dict):
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not positions or self.group is None:
+            return args, kwargs
+        outputs = _PostBackwardTrigger.apply(weakref.ref(self), *(flat[i] for i in positions))
+        for i, out in zip(positions, outputs):
+            flat[i] = out
+        return spec.unflatten(flat)
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        if self.group is not None:
+            if self.group.reshard_after_forward:
+                self.group.reshard()
+            self.group.training_state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            self._post_forward_indices.append(len(self.ctx.post_forward_order))
+            self.ctx.post_forward_order.append(self)
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(self.mp_policy.output_dtype, output)
+        return output
+
+    # ---- backward ---------------------------------------------------------------------
+
+    def _pre_backward(self, *unused: Any) -> None:
+        self.ctx.queue_final_callback()
+        if self.group is None:
+            return
+        self.group.training_state = TrainingState.PRE_BACKWARD
+        self.group.unshard()
+        self.group.wait_for_unshard()
+        self._prefetch_backward()
+
+    def _prefetch_backward(self) -> None:
+        if self.backward_prefetch is not None:
+            for target in self.backward_prefetch:
+                target.prefetch()
+            return
+        if not self._post_forward_indices:
+            return
+        index = self._post_forward_indices.pop()
+        if index > 0:
+            self.ctx.post_forward_order[index - 1].prefetch()
+
+    def prefetch(self) -> None:
+        """Start this state's all-gather without waiting (forward/backward prefetch)."""
+        if self.group is not None:
+            self.group.unshard(async_op=True)
+
+    def post_backward(self) -> None:
+        """This state's grads are complete: start their reduction and reshard."""
+        group = self.group
+        if group is None:
+            return
+        group.training_state = TrainingState.POST_BACKWARD
+        previous = self.ctx.reducing if self.ctx is not None else None
+        if previous is not None and previous is not group:
+            previous.finish_reduce()
+        group.reduce_grads()
+        if self.ctx is not None:
+            self.ctx.reducing = group
+        if group.reshard_after_backward:
+            group.reshard()
+
+    def finish_iteration(self) -> None:
+        """End of backward: wait for our reduction, reshard, return to IDLE."""
+        self._post_forward_indices.clear()
+        group = self.group
+        if group is None:
+            return
+        group.finish_reduce()
+        if group.reshard_after_backward:
+            group.reshard()
+        group.training_state = TrainingState.IDLE
+
+
+def _states_under(modules: tuple[nn.Module, ...]) -> list[ModuleState]:
+    """Every distinct state in the subtrees of ``modules``, in pre-order."""
+    seen: dict[int, ModuleState] = {}
+    for module in modules:
+        for sub in module.modules():
+            state = get_state(sub)
+            if state is not None and id(state) not in seen:
+                seen[id(state)] = state
+    return list(seen.values())
+
+
+def _cast_floating(dtype: torch.dtype, tree: Any) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
