@@ -13,6 +13,7 @@ the rest of the training script::
 from shardwise.fully_shard import fully_shard
 from shardwise.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardwise.tracing import trace
 
 __all__ = [
     "fully_shard",
@@ -23,4 +24,5 @@ __all__ = [
     "CPUOffloadPolicy",
     "register_fsdp_forward_method",
     "share_comm_ctx",
+    "trace",
 ]

@@ -14,8 +14,9 @@ pre- and post-divide to avoid overflow.
 
 from __future__ import annotations
 
+import abc
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,41 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
     """SUM-all-reduce ``tensor`` in place."""
     comm_stats.record("all_reduce", _nbytes(tensor), dist.get_world_size(group))
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+class Comm(abc.ABC):
+    """A pluggable collective: how to allocate its buffer, and how to run it."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer the collective writes into (override for special memory)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class AllGather(Comm):
+    """Interface of ``FSDPModule.set_custom_all_gather``: ``comm(output, input, group, async_op)``."""
+
+    @abc.abstractmethod
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False): ...
+
+
+class ReduceScatter(Comm):
+    """Interface of ``FSDPModule.set_custom_reduce_scatter``: ``comm(output, input, group, op, async_op)``.
+
+    shardwise always passes ``op=ReduceOp.SUM`` and applies the averaging itself.
+    """
+
+    @abc.abstractmethod
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False): ...
+
+
+class DefaultAllGather(AllGather):
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        return all_gather(output_tensor, input_tensor, group, async_op)
+
+
+class DefaultReduceScatter(ReduceScatter):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        return reduce_scatter(output_tensor, input_tensor, group, async_op)
 
 
 class ReducePlan(NamedTuple):

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard
 
 from shardwise import init_checks
 from shardwise.group import ParamGroup
-from shardwise.mesh import MeshInfo, default_mesh, fully_shard_mesh_info
+from shardwise.mesh import MeshInfo, default_mesh, fully_shard_mesh_info, post_forward_group
 from shardwise.module import FSDPModule
 from shardwise.param import ParamSite, ShardedParam
 from shardwise.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
@@ -76,6 +76,8 @@ def fully_shard(
             ShardedParam(p, s, mesh_info, _shard_dim(shard_placement_fn, p, s)) for p, s in zip(params, sites)
         ]
         group = ParamGroup(sharded, params, mesh_info, device, mp_policy, offload_policy)
+        if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+            group.post_forward = post_forward_group(mesh_info, reshard_after_forward)
         for p, sp in zip(params, sharded):
             sp.shared_with = init_checks.claim_original_param(p, sp)
     state = ModuleState(modules, group, mesh_info, device, mp_policy, reshard_after_forward)
@@ -124,10 +126,7 @@ def _check_reshard_after_forward(value: object, mesh_info: MeshInfo) -> bool | N
         raise ValueError(
             f"reshard_after_forward={value} must divide the shard group size {size} and lie in [1, {size}]"
         )
-    raise NotImplementedError(
-        f"reshard_after_forward={value} (a shard group smaller than {size}) is not supported yet; "
-        "use True or False"
-    )
+    return value
 
 
 def _managed_tensors(modules: list[nn.Module], ignored: set) -> tuple[list, list[list[ParamSite]], list]:

@@ -8,26 +8,27 @@ reduce-scatter (plus one all-reduce over the replicate dim for HSDP). The group 
 * the **unsharded** buffer ``(N*P,)`` holding every param's gathered rows; unsharded params
   alias it. Resharding frees its storage but keeps the tensor objects, so views autograd
   saved stay valid and are refilled by the next unshard;
+* for ``reshard_after_forward=k``, the **post-forward shard** ``(N/k*P,)`` kept between
+  forward and backward, gathered over a block of ``k`` ranks;
 * the work handles of an in-flight all-gather and reduction.
 
 Lifecycle verbs come in idempotent pairs: ``unshard``/``wait_for_unshard`` then
-``reshard``; ``reduce_grads`` then ``finish_reduce``.
+``reshard``; ``reduce_grads`` then ``finish_reduce``. Gradient reduction lives in
+:class:`~shardwise.reduce.GradReducer`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
 
 import torch
 
-from shardwise import collectives
-from shardwise.mesh import MeshInfo
+from shardwise import collectives, tracing
+from shardwise.mesh import MeshInfo, PostForwardGroup
 from shardwise.param import ShardedParam, ShardedState
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-
-logger = logging.getLogger(__name__)
+from shardwise.reduce import GradReducer
 
 
 class TrainingState(enum.Enum):
@@ -42,16 +43,8 @@ class TrainingState(enum.Enum):
 @dataclasses.dataclass
 class _PendingGather:
     work: object | None  # c10d Work, None when no collective was needed
-    gathered: torch.Tensor  # (N*P,) rank-major all-gather output
-
-
-@dataclasses.dataclass
-class _PendingReduce:
-    work: object | None
-    reduced: torch.Tensor  # (Pg,) our shard of the summed gradients
-    params: list[ShardedParam]  # the params whose grads were packed, in order
-    post_divide: float
-    packed: torch.Tensor  # (N, Pg) kept alive until the collective is done
+    gathered: torch.Tensor  # (n*P',) rank-major all-gather output
+    num_shards: int  # n: ranks gathered over (N, or k after an int reshard)
 
 
 class ParamGroup:
@@ -65,10 +58,13 @@ class ParamGroup:
     fqn: str  # the module's FQN (filled in at lazy init)
     training_state: TrainingState
     sharded_state: ShardedState
+    reducer: GradReducer
+    post_forward: PostForwardGroup | None  # set for reshard_after_forward=int
     _flat_shard: torch.Tensor  # (P,) padded shards, original dtype, on device or host
     _offsets: list[int]  # start of each param's padded shard in _flat_shard
     _unsharded_flat: torch.Tensor | None  # (N*P,) in param dtype; storage empty while sharded
     _segments: list[torch.Tensor]  # per param (N*pn,) views into _unsharded_flat
+    _post_forward_shard: torch.Tensor | None  # (N/k*P,) our block's share, between fwd and bwd
 
     def __init__(
         self,
@@ -88,16 +84,19 @@ class ParamGroup:
         self.fqn = ""
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
+        self.post_forward = None
         self._pending_gather: _PendingGather | None = None
-        self._pending_reduce: _PendingReduce | None = None
         self._unsharded_flat = None
         self._segments = []
+        self._post_forward_shard = None
         # knobs the FSDPModule setters change
-        self.reshard_after_forward: bool = True
-        self.reshard_after_backward: bool = True
-        self.requires_gradient_sync: bool = True
-        self.gradient_divide_factor: float | None = None
-        self.force_sum_reduction: bool = False
+        self.reshard_after_forward: bool | int = True
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.all_gather_comm: collectives.AllGather = collectives.DefaultAllGather()
+        self.post_optim_event = None
+        self.allocate_from_process_group = False  # NCCL zero-copy staging; a no-op on gloo
+        self.symm_mem = False  # NCCL symmetric-memory staging
         self._offsets = []
         offset = 0
         for p in params:
@@ -107,9 +106,13 @@ class ParamGroup:
         self._build_flat_shard([p.local_chunk(o) for p, o in zip(params, originals)])
         for p, local in zip(params, self._shard_views()):
             p.init_sharded_param(local)
+        self.reducer = GradReducer(self)
 
     def __repr__(self) -> str:
         return f"ParamGroup({self.fqn!r}, {len(self.params)} params, {self.sharded_state.value})"
+
+    def _emit(self, kind: str) -> None:
+        tracing.emit(kind, self.fqn, self.training_state.value)
 
     # ---- the flat shard ---------------------------------------------------------------
 
@@ -151,15 +154,15 @@ class ParamGroup:
         self._unsharded_flat = None
         self._segments = []
 
-    # ---- unshard / reshard ------------------------------------------------------------
-
     @property
     def param_dtype(self) -> torch.dtype:
         return self.mp_policy.param_dtype or self._flat_shard.dtype
 
-    def _gather_input(self) -> torch.Tensor:
-        """The (P,) all-gather input: the flat shard itself unless a cast or device copy is due."""
-        return self._flat_shard.to(self.device, self.param_dtype, non_blocking=True)
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state == ShardedState.UNSHARDED
+
+    # ---- unshard ----------------------------------------------------------------------
 
     def _ensure_unsharded_buffer(self) -> None:
         n = self.mesh_info.shard_size
@@ -177,27 +180,49 @@ class ParamGroup:
         if storage.size() == 0:
             storage.resize_(self._unsharded_flat.numel() * self._unsharded_flat.element_size())
 
+    def _gather_source(self) -> tuple[torch.Tensor, object, int]:
+        """(input, process group, ranks) of the next all-gather: from the full shard, or
+        from the post-forward shard over the block of k ranks."""
+        if self._post_forward_shard is not None:
+            pf = self.post_forward
+            return self._post_forward_shard, pf.group, pf.size
+        gather_input = self._flat_shard.to(self.device, self.param_dtype, non_blocking=True)
+        return gather_input, self.mesh_info.shard_group, self.mesh_info.shard_size
+
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the group's params (idempotent); ``wait_for_unshard`` finishes it."""
-        if self.sharded_state == ShardedState.UNSHARDED or self._pending_gather is not None:
+        if self.is_unsharded or self._pending_gather is not None:
             return
         if self._flat_shard.is_meta:
             raise RuntimeError(
                 f"cannot unshard {self.fqn or 'a module'}: its parameters are on the meta device; call "
                 "module.to_empty(device=...) and initialise them first"
             )
+        self._wait_post_optim_event()
         self._ensure_unsharded_buffer()
-        gather_input = self._gather_input()
-        n = self.mesh_info.shard_size
+        gather_input, group, n = self._gather_source()
+        self._emit("unshard")
         if n == 1:
-            self._pending_gather = _PendingGather(None, gather_input)
-            return
-        # One param: its segment is laid out exactly like the all-gather output.
-        gathered = self._segments[0] if len(self.params) == 1 else torch.empty_like(self._unsharded_flat)
-        work = collectives.all_gather(gathered, gather_input, self.mesh_info.shard_group, async_op=True)
-        self._pending_gather = _PendingGather(work, gathered)
+            self._pending_gather = _PendingGather(None, gather_input, 1)
+        else:
+            gathered = self._gather_output(n)
+            work = self.all_gather_comm(gathered, gather_input, group, async_op=True)
+            self._pending_gather = _PendingGather(work, gathered, n)
         if not async_op:
             self.wait_for_unshard()
+
+    def _gather_output(self, n: int) -> torch.Tensor:
+        # A one-param group gathered over all N ranks lands in its unsharded layout directly.
+        direct = len(self.params) == 1 and n == self.mesh_info.shard_size
+        if direct and isinstance(self.all_gather_comm, collectives.DefaultAllGather):
+            return self._segments[0]
+        return self.all_gather_comm.allocate((self._unsharded_flat.numel(),), dtype=self.param_dtype, device=self.device)
+
+    def _wait_post_optim_event(self) -> None:
+        event = self.post_optim_event
+        if event is not None:
+            self.post_optim_event = None
+            event.wait()
 
     def wait_for_unshard(self) -> None:
         """Finish an in-flight all-gather: copy out, then register the unsharded params."""
@@ -208,91 +233,64 @@ class ParamGroup:
         if pending.work is not None:
             pending.work.wait()
         if pending.gathered is not self._segments[0]:
-            sizes = [p.gathered_numel() // self.mesh_info.shard_size for p in self.params]
-            collectives.copy_out(pending.gathered, self.mesh_info.shard_size, sizes, self._segments)
+            n = pending.num_shards
+            sizes = [p.gathered_numel() // n for p in self.params]
+            collectives.copy_out(pending.gathered, n, sizes, self._segments)
+        self._post_forward_shard = None
         for p, segment in zip(self.params, self._segments):
             p.finish_copy_out(segment)
             p.register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
+        self._emit("wait_unshard")
+
+    # ---- reshard ----------------------------------------------------------------------
 
     def reshard(self) -> None:
-        """Register the sharded params and free the unsharded storage (idempotent)."""
+        """Register the sharded params and free every unsharded byte (idempotent)."""
         if self._pending_gather is not None:
             self.wait_for_unshard()
+        self._post_forward_shard = None
         if self.sharded_state == ShardedState.SHARDED:
             return
+        if self.is_unsharded:
+            self._free_unsharded()
+        self.sharded_state = ShardedState.SHARDED
+
+    def _free_unsharded(self) -> None:
         for p in self.params:
             p.register_sharded()
             p.free_own_unsharded()
         if self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
-        self.sharded_state = ShardedState.SHARDED
+        self._emit("reshard")
 
-    # ---- gradient reduction -----------------------------------------------------------
+    def post_forward_reshard(self) -> None:
+        """After forward: reshard fully (True), to a block of k ranks (int), or keep (False)."""
+        policy = self.reshard_after_forward
+        if policy is False or not self.is_unsharded:
+            return
+        if policy is True or self.post_forward is None:
+            self.reshard()
+            return
+        k, j = self.post_forward.size, self.post_forward.rank
+        pieces = [segment.view(k, -1)[j] for segment in self._segments]  # each (N/k*pn,)
+        self._post_forward_shard = torch.cat(pieces)  # (N/k*P,)
+        self._free_unsharded()
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
-    def take_unsharded_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
-        """Detach the unsharded grads from the unsharded params (they must not linger)."""
-        params, grads = [], []
-        for p in self.params:
-            unsharded = p.unsharded_param
-            if unsharded is None or unsharded.grad is None:
-                continue
-            params.append(p)
-            grads.append(unsharded.grad)
-            unsharded.grad = None
-        return params, grads
-
-    def reduce_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
-        return self.mp_policy.reduce_dtype or self.mp_policy.param_dtype or grad_dtype
+    # ---- reduction (delegated) ----------------------------------------------------------
 
     def reduce_grads(self) -> None:
-        """Start reducing this backward's unsharded grads; ``finish_reduce`` stores them."""
-        self.finish_reduce()
-        params, grads = self.take_unsharded_grads()
-        if not params:
-            return
-        n = self.mesh_info.shard_size
-        dtype = self.reduce_dtype(grads[0].dtype)
-        chunked = [p.grad_as_chunks(g.to(dtype)) for p, g in zip(params, grads)]
-        packed = collectives.pack_for_reduce(chunked, n)  # (N, Pg)
-        world = n * self.mesh_info.replicate_size
-        plan = collectives.plan_reduction(dtype, world, self.gradient_divide_factor, self.force_sum_reduction)
-        if plan.pre_divide != 1.0:
-            packed.div_(plan.pre_divide)
-        if n == 1:
-            self._pending_reduce = _PendingReduce(None, packed.view(-1), params, plan.post_divide, packed)
-            return
-        reduced = packed.new_empty(packed.size(1))
-        work = collectives.reduce_scatter(reduced, packed.view(-1), self.mesh_info.shard_group, async_op=True)
-        self._pending_reduce = _PendingReduce(work, reduced, params, plan.post_divide, packed)
+        self.reducer.reduce_grads()
 
     def finish_reduce(self) -> None:
-        """Wait for the in-flight reduction and accumulate it into the sharded ``.grad``s."""
-        pending = self._pending_reduce
-        if pending is None:
-            return
-        self._pending_reduce = None
-        if pending.work is not None:
-            pending.work.wait()
-        reduced = pending.reduced
-        if self.mesh_info.replicate_size > 1:
-            collectives.all_reduce(reduced, self.mesh_info.replicate_group, async_op=False)
-        if pending.post_divide != 1.0:
-            reduced.div_(pending.post_divide)
-        offset = 0
-        for p in pending.params:
-            shard = p.shard_of_reduced(reduced[offset : offset + p.padded_numel])
-            offset += p.padded_numel
-            self._accumulate_sharded_grad(p, shard)
+        self.reducer.finish()
 
-    def _accumulate_sharded_grad(self, p: ShardedParam, shard: torch.Tensor) -> None:
-        sharded = p.sharded_param
-        local = shard.to(sharded.device, sharded.dtype, non_blocking=True)
-        if sharded.grad is None:
-            sharded.grad = p.to_sharded_dtensor(local)
-        else:
-            sharded.grad._local_tensor.add_(local)
-
-    def has_pending_work(self) -> bool:
-        return self._pending_gather is not None or self._pending_reduce is not None
-
+    def discard_iteration(self) -> None:
+        """Drop in-flight work and gradients of an aborted iteration; reshard."""
+        if self._pending_gather is not None and self._pending_gather.work is not None:
+            self._pending_gather.work.wait()
+        self._pending_gather = None
+        self.reducer.discard()
+        self.reshard()
+        self.training_state = TrainingState.IDLE

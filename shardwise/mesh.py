@@ -101,3 +101,34 @@ def fully_shard_mesh_info(mesh: object) -> MeshInfo:
         f"fully_shard expects a 1-D or 2-D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}; "
         "slice the data-parallel dims out of it, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']."
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class PostForwardGroup:
+    """The smaller group an ``int`` ``reshard_after_forward=k`` keeps its shard over.
+
+    The shard group's ranks are cut into consecutive blocks of ``k`` (e.g. the GPUs of one
+    node); after forward each rank keeps ``1/k`` of the unsharded params and backward
+    all-gathers over its block only.
+    """
+
+    group: dist.ProcessGroup
+    size: int  # k
+    rank: int  # our index in the block
+
+
+_POST_FORWARD_GROUPS: dict[tuple[int, int], PostForwardGroup] = {}
+
+
+def post_forward_group(mesh_info: MeshInfo, k: int) -> PostForwardGroup:
+    """The blocks of ``k`` ranks, created once per (mesh, k) (every rank of the mesh must call this)."""
+    key = (id(mesh_info.mesh), k)
+    if key not in _POST_FORWARD_GROUPS:
+        _POST_FORWARD_GROUPS[key] = _new_post_forward_group(mesh_info, k)
+    return _POST_FORWARD_GROUPS[key]
+
+
+def _new_post_forward_group(mesh_info: MeshInfo, k: int) -> PostForwardGroup:
+    ranks = mesh_info.mesh.mesh.reshape(-1, k)  # (world / k, k), blocks inside each shard group
+    block_mesh = DeviceMesh(mesh_info.mesh.device_type, ranks, mesh_dim_names=("pf_outer", "pf_block"))
+    return PostForwardGroup(block_mesh.get_group(1), k, block_mesh.get_local_rank(1))

@@ -9,10 +9,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, NoReturn
+import warnings
+from typing import Any, Callable, NoReturn
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from shardwise.collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
 from shardwise.group import ParamGroup
 from shardwise.state import ModuleState, get_state
 
@@ -95,50 +99,195 @@ class FSDPModule:
         handle.wait()
         return None
 
-    # ---- knobs ------------------------------------------------------------------------
+    # ---- knobs ----------------------------------------------------------------------
+
+    def _groups_of(self, recurse: bool) -> list[ParamGroup]:
+        return [s.group for s in self._states(recurse) if s.group is not None]
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Whether to free the unsharded params after forward (re-gathered in backward)."""
-        _check_bool("reshard_after_forward", reshard_after_forward)
+        """Whether to free the unsharded params after forward (re-gathered in backward).
+
+        Use it to make the root reshard too, or to keep params gathered during evaluation.
+        """
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}")
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
             if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Whether to free the unsharded params after backward (False keeps them for the next forward)."""
+        """Whether to free the unsharded params after backward; False saves the next forward's
+        all-gather during gradient accumulation, at the cost of memory."""
         _check_bool("reshard_after_backward", reshard_after_backward)
-        for state in self._states(recurse):
-            if state.group is not None:
-                state.group.reshard_after_backward = reshard_after_backward
+        for group in self._groups_of(recurse):
+            group.reshard_after_backward = reshard_after_backward
 
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-            raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
-        for state in self._states(recurse=True):
-            if state.group is not None:
-                state.group.gradient_divide_factor = float(factor)
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether backward reduces gradients. False accumulates unsharded gradients locally
+        (no communication) until a backward with sync on (FSDP1's ``no_sync``). For HSDP this
+        controls the reduce-scatter and the all-reduce together."""
+        _check_bool("requires_gradient_sync", requires_gradient_sync)
+        for group in self._groups_of(recurse):
+            group.reducer.requires_gradient_sync = requires_gradient_sync
 
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Alias of :meth:`set_gradient_divide_factor` kept for torch compatibility."""
-        self.set_gradient_divide_factor(factor)
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether backward all-reduces over the replicate dim. False keeps reduce-scattering
+        and accumulates the shard locally until a backward that all-reduces."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        for group in self._groups_of(recurse):
+            group.reducer.requires_all_reduce = requires_all_reduce
 
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Reduce with a plain SUM (no division at all)."""
-        _check_bool("enable", enable)
-        for state in self._states(recurse=True):
-            if state.group is not None:
-                state.group.force_sum_reduction = enable
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of the step: only then does the end of backward
+        wait for every reduction (microbatching leaves them in flight otherwise)."""
+        _check_bool("is_last_backward", is_last_backward)
+        state = self._shardwise_state()
+        state.lazy_init()
+        state.ctx.is_last_backward = is_last_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward needs this module's params gathered (False for e.g. embeddings)."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        for group in self._groups():
+            group.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """In this module's pre-forward, start the all-gathers of ``modules`` (explicit prefetch)."""
-        self._shardwise_state().forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+        self._shardwise_state().forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """In this module's pre-backward, start the all-gathers of ``modules`` (replaces the implicit one)."""
-        states = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
-        self._shardwise_state().backward_prefetch = states
+        """In this module's pre-backward, start the all-gathers of ``modules`` (replaces the
+        implicit reverse-forward-order prefetch)."""
+        self._shardwise_state().backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel world size.
+
+        Works on every backend: shardwise sums and scales itself (gloo has no PREMUL_SUM).
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
+        for group in self._groups_of(recurse=True):
+            group.reducer.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of :meth:`set_gradient_divide_factor`."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Use only SUM collectives, scaling separately (shardwise always does on gloo)."""
+        _check_bool("enable", enable)
+        for group in self._groups_of(recurse=True):
+            group.reducer.force_sum = enable
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Reduce zeros for params that got no gradient, so ranks whose control flow used
+        different params still issue identical reduce-scatters (DDP's find_unused_parameters)."""
+        _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for group in self._groups_of(recurse):
+            group.reducer.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many packed gradient buffers may be in flight at once (memory vs overlap).
+
+        A scheduling knob that never changes numerics; shardwise bounds in-flight reductions
+        to one per group plus the next group's anyway.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for group in self._groups_of(recurse):
+            group.reducer.max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Run reduce-scatters on a process group of their own so they can progress while
+        all-gathers run (collective: call it the same way on every rank)."""
+        _check_bool("enable", enable)
+        created: dict[tuple[int, ...], object] = {}
+        for group in self._groups_of(recurse):
+            group.reducer.reduce_scatter_group = _separate_group(group, created) if enable else None
+
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Replace the all-gather: ``comm.allocate(size, dtype=, device=)`` makes the output and
+        ``comm(output, input, group, async_op)`` runs it."""
+        _check_comm(comm, AllGather, "set_custom_all_gather")
+        for group in self._groups():
+            _check_no_pg_allocation(group, "set_custom_all_gather")
+            group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Replace the reduce-scatter: ``comm.allocate(...)`` makes the output and
+        ``comm(output, input, group, op, async_op)`` runs it (op is always SUM)."""
+        _check_comm(comm, ReduceScatter, "set_custom_reduce_scatter")
+        for group in self._groups():
+            _check_no_pg_allocation(group, "set_custom_reduce_scatter")
+            group.reducer.reduce_scatter_comm = comm
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook(reduced)`` on each group's reduced gradient shard (after the HSDP
+        all-reduce and the averaging), before it is stored in ``.grad``."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
+        for group in self._groups():
+            if stream is not None and group.mesh_info.replicate_size > 1:
+                raise ValueError("stream cannot be set when using native HSDP")
+            group.reducer.all_reduce_hook = hook
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """The event the next all-gather waits on (recorded after the optimizer step). On CUDA
+        this avoids a false dependency on the whole current stream; on CPU the optimizer step
+        has finished when this returns, so the event is only waited on."""
+        if not hasattr(event, "wait"):
+            raise TypeError(f"set_post_optim_event expects a torch.Event, got {type(event).__name__}")
+        for group in self._groups_of(recurse=True):
+            group.post_optim_event = event
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Let the ProcessGroup allocate the staging buffers (NCCL zero-copy). On gloo there is no
+        such allocator: the flag is accepted and buffers come from torch as usual."""
+        _check_bool("enable", enable)
+        for group in self._groups():
+            if enable and _has_custom_comm(group):
+                raise ValueError(
+                    "set_allocate_memory_from_process_group_for_comm cannot be combined with a custom "
+                    "all-gather/reduce-scatter (set_custom_all_gather / set_custom_reduce_scatter)"
+                )
+            group.allocate_from_process_group = enable
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Allocate all-gather buffers in symmetric memory (NCCL only)."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm supports only backend='NCCL', got {backend!r}")
+        for group in self._groups():
+            pg = group.mesh_info.shard_group
+            if pg is None or dist.get_backend(pg) != "nccl":
+                raise RuntimeError(
+                    f"set_symm_mem_for_comm needs an NCCL process group; {group.fqn or 'this module'} "
+                    f"communicates over {dist.get_backend(pg) if pg is not None else 'no group'}"
+                )
+            if _has_custom_comm(group):
+                raise ValueError("set_symm_mem_for_comm cannot be combined with a custom all-gather/reduce-scatter")
+            group.symm_mem = True
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """torch's semi-private knob (recursive). shardwise always issues unshards async and waits
+        at the named points, so this only records the choice."""
+        _check_bool("async_op", async_op)
+        for state in self._states(recurse=True):
+            state.unshard_async_op = async_op
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception aborted forward/backward: waits for in-flight collectives,
+        reshards everything, clears per-iteration state (that iteration's grads are lost).
+        Call it on the root module; a non-root raises RuntimeError."""
+        self._shardwise_state().reset_iter_state()
 
     # ---- torch compatibility ----------------------------------------------------------
 
@@ -164,6 +313,41 @@ def _state_of(module: object, setter: str) -> ModuleState:
     if not isinstance(module, FSDPModule) or state is None:
         raise ValueError(f"{setter} expects a list of FSDPModules (fully_shard applied), got {type(module).__name__}")
     return state
+
+
+def _states_of(modules: object, setter: str) -> list[ModuleState]:
+    if not isinstance(modules, (list, tuple)):
+        raise ValueError(f"{setter} expects a list of FSDPModules, got {type(modules).__name__}")
+    return [_state_of(m, setter) for m in modules]
+
+
+def _check_comm(comm: object, interface: type, setter: str) -> None:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{setter} expects a shardwise.collectives.{interface.__name__} (with allocate() and __call__()), "
+            f"got {type(comm).__name__}"
+        )
+
+
+def _has_custom_comm(group: ParamGroup) -> bool:
+    return not isinstance(group.all_gather_comm, DefaultAllGather) or not isinstance(
+        group.reducer.reduce_scatter_comm, DefaultReduceScatter
+    )
+
+
+def _check_no_pg_allocation(group: ParamGroup, setter: str) -> None:
+    if group.allocate_from_process_group or group.symm_mem:
+        raise ValueError(
+            f"{setter} cannot be combined with set_allocate_memory_from_process_group_for_comm(True) "
+            "or set_symm_mem_for_comm(); turn those off first"
+        )
+
+
+def _separate_group(group: ParamGroup, created: dict) -> dist.ProcessGroup:
+    ranks = tuple(dist.get_process_group_ranks(group.mesh_info.shard_group))
+    if ranks not in created:
+        created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return created[ranks]
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -73,6 +73,7 @@ class ShardedParam:
     padded_numel: int  # numel of one padded shard (same on every rank)
     sharded_param: nn.Parameter  # DTensor; the object the optimizer holds
     unsharded_param: torch.Tensor | None  # plain leaf tensor aliasing the group's unsharded buffer
+    unsharded_accumulated_grad: torch.Tensor | None  # grads kept while gradient sync is off
     sharded_state: ShardedState
 
     def __init__(self, param: nn.Parameter, sites: list[ParamSite], mesh_info: MeshInfo, shard_dim: int):
@@ -92,6 +93,7 @@ class ShardedParam:
         self._init_shape(param, mesh_info.shard_rank)
         self.unsharded_param = None
         self._own_unsharded: torch.Tensor | None = None  # Shard(d != 0) only: (D0, *rest)
+        self.unsharded_accumulated_grad: torch.Tensor | None = None  # (D0, *rest) in reduce dtype, sync off
         self.sharded_state = ShardedState.SHARDED
         self.shared_with: weakref.ref | None = None  # an earlier ShardedParam of the same nn.Parameter
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed._composable_state import _State
 from torch.utils._pytree import tree_flatten, tree_map
 
-from shardwise import init_checks
+from shardwise import init_checks, tracing
 from shardwise.group import ParamGroup, TrainingState
 from shardwise.mesh import MeshInfo
 from shardwise.policies import MixedPrecisionPolicy
@@ -47,12 +47,15 @@ class IterationContext:
     final_callback_queued: bool
     reducing: ParamGroup | None  # the group whose reduction was issued last
 
+    is_last_backward: bool  # False: leave reductions in flight at the end of this backward
+
     def __init__(self, root: "ModuleState", states: list["ModuleState"]):
         self.root = root
         self.states = states
         self.post_forward_order = []
         self.final_callback_queued = False
         self.reducing = None
+        self.is_last_backward = True
 
     def queue_final_callback(self) -> None:
         if self.final_callback_queued:
@@ -66,10 +69,19 @@ class IterationContext:
             if state.group is not None and state.group.training_state != TrainingState.POST_BACKWARD:
                 state.post_backward()
         for state in self.states:
-            state.finish_iteration()
+            state.finish_iteration(wait_for_reductions=self.is_last_backward)
+        self._clear()
+
+    def _clear(self) -> None:
         self.post_forward_order.clear()
         self.reducing = None
         self.final_callback_queued = False
+
+    def reset(self) -> None:
+        """Recover from an exception mid-iteration: drop in-flight work, reshard, clear."""
+        for state in self.states:
+            state.discard_iteration()
+        self._clear()
 
 
 class _PostBackwardTrigger(torch.autograd.Function):
@@ -115,7 +127,9 @@ class ModuleState(_State):
         self.fqn = ""
         self.forward_prefetch = []
         self.backward_prefetch = None
+        self.unshard_async_op = False  # torch's _set_unshard_async_op; shardwise is always async inside
         self._post_forward_indices: list[int] = []
+        self._members_to_run: set[int] = {id(m) for m in self.modules}  # grouped call: who has not run
         for module in self.modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False, with_kwargs=True)
@@ -129,6 +143,12 @@ class ModuleState(_State):
         """On the first forward (or unshard) of the root: find every state, fix FQNs, check."""
         if self.ctx is not None:
             return
+        if len(self.modules) > 1:
+            names = ", ".join(type(m).__name__ for m in self.modules)
+            raise RuntimeError(
+                f"a grouped fully_shard([{names}]) cannot be the root: apply fully_shard to the module that "
+                "contains them as well, and run forward through that root"
+            )
         states = _states_under(self.modules)
         for state in states[1:]:
             if state.ctx is not None:
@@ -151,7 +171,7 @@ class ModuleState(_State):
         if self.group is None:
             return
         policy = self.reshard_after_forward
-        self.group.reshard_after_forward = (not self.is_root) if policy is None else bool(policy)
+        self.group.reshard_after_forward = (not self.is_root) if policy is None else policy
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -186,9 +206,8 @@ class ModuleState(_State):
         return spec.unflatten(flat)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        if self.group is not None:
-            if self.group.reshard_after_forward:
-                self.group.reshard()
+        if self.group is not None and self._last_member_ran(module):
+            self.group.post_forward_reshard()
             self.group.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             self._post_forward_indices.append(len(self.ctx.post_forward_order))
@@ -200,6 +219,14 @@ class ModuleState(_State):
             output = _cast_floating(self.mp_policy.output_dtype, output)
         return output
 
+    def _last_member_ran(self, module: nn.Module) -> bool:
+        """Grouped calls keep the params gathered until every member ran forward once."""
+        self._members_to_run.discard(id(module))
+        if self._members_to_run:
+            return False
+        self._members_to_run = {id(m) for m in self.modules}
+        return True
+
     # ---- backward ---------------------------------------------------------------------
 
     def _pre_backward(self, *unused: Any) -> None:
@@ -207,25 +234,28 @@ class ModuleState(_State):
         if self.group is None:
             return
         self.group.training_state = TrainingState.PRE_BACKWARD
-        self.group.unshard()
-        self.group.wait_for_unshard()
+        if self.group.unshard_in_backward:
+            self.group.unshard()
+            self.group.wait_for_unshard()
         self._prefetch_backward()
 
     def _prefetch_backward(self) -> None:
         if self.backward_prefetch is not None:
             for target in self.backward_prefetch:
-                target.prefetch()
+                target.prefetch(in_backward=True)
             return
         if not self._post_forward_indices:
             return
         index = self._post_forward_indices.pop()
         if index > 0:
-            self.ctx.post_forward_order[index - 1].prefetch()
+            self.ctx.post_forward_order[index - 1].prefetch(in_backward=True)
 
-    def prefetch(self) -> None:
+    def prefetch(self, in_backward: bool = False) -> None:
         """Start this state's all-gather without waiting (forward/backward prefetch)."""
-        if self.group is not None:
-            self.group.unshard(async_op=True)
+        group = self.group
+        if group is None or (in_backward and not group.unshard_in_backward):
+            return
+        group.unshard(async_op=True)
 
     def post_backward(self) -> None:
         """This state's grads are complete: start their reduction and reshard."""
@@ -233,6 +263,7 @@ class ModuleState(_State):
         if group is None:
             return
         group.training_state = TrainingState.POST_BACKWARD
+        tracing.emit("post_backward", group.fqn, group.training_state.value)
         previous = self.ctx.reducing if self.ctx is not None else None
         if previous is not None and previous is not group:
             previous.finish_reduce()
@@ -242,16 +273,35 @@ class ModuleState(_State):
         if group.reshard_after_backward:
             group.reshard()
 
-    def finish_iteration(self) -> None:
+    def finish_iteration(self, wait_for_reductions: bool) -> None:
         """End of backward: wait for our reduction, reshard, return to IDLE."""
         self._post_forward_indices.clear()
         group = self.group
         if group is None:
             return
-        group.finish_reduce()
+        if wait_for_reductions:
+            group.finish_reduce()
         if group.reshard_after_backward:
             group.reshard()
         group.training_state = TrainingState.IDLE
+
+    def discard_iteration(self) -> None:
+        self._post_forward_indices.clear()
+        self._members_to_run = {id(m) for m in self.modules}
+        if self.group is not None:
+            self.group.discard_iteration()
+
+    def reset_iter_state(self) -> None:
+        """Root only: recover from an exception that aborted forward or backward."""
+        if self.is_root is False:
+            raise RuntimeError(
+                f"reset_iter_state() must be called on the root module, not on {self!r}; call it on the "
+                "module you run forward through"
+            )
+        if self.ctx is None:
+            self.discard_iteration()
+            return
+        self.ctx.reset()
 
 
 def _states_under(modules: tuple[nn.Module, ...]) -> list[ModuleState]:

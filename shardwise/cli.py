@@ -1,0 +1,129 @@
+"""The ``shardwise`` command line.
+
+``shardwise train`` trains a small GPT on the Python standard library's sources with
+``fully_shard``. Run from a plain shell it starts torch's own launcher for you, which in
+turn runs this same command once per rank::
+
+    shardwise train                       # = python -m torch.distributed.run --standalone
+                                          #     --nproc-per-node 2 -m shardwise train
+    shardwise train --nproc 4 --model small --mixed-precision bf16
+    shardwise train --impl torch          # the same run with torch.distributed.fsdp.fully_shard
+
+Under torchrun (``RANK``/``LOCAL_RANK`` are set) it trains directly, so this works too::
+
+    torchrun --standalone --nproc-per-node 2 -m shardwise train --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    from shardwise.train.loop import TrainConfig
+    from shardwise.train.model import PRESETS
+    from shardwise.train.sharding import IMPLS, MIXED_PRECISION
+
+    d = TrainConfig()
+    p.add_argument("--nproc", type=int, default=2, help="ranks to launch on this machine when not already under torchrun (default 2)")
+    p.add_argument("--model", choices=sorted(PRESETS), default=d.model, help="model size: tiny ~1M, small ~10M, medium ~50M parameters (default %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step (default %(default)s)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for initialisation and data sampling (default %(default)s)")
+    p.add_argument("--mixed-precision", choices=MIXED_PRECISION, default=d.mixed_precision, help="bf16: bf16 params/compute, fp32 gradient reduction (default %(default)s)")
+    p.add_argument("--impl", choices=IMPLS, default=d.impl, help="which fully_shard to use (default %(default)s)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device, help="auto: a GPU per rank when available, else CPU (default %(default)s)")
+    p.add_argument("--data", default=d.data, metavar="PATH", help="text file or directory to train on (default: the Python stdlib's .py sources)")
+    p.add_argument("--data-bytes", type=int, default=d.data_bytes, help="read at most this many bytes of text (default %(default)s)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log set-up details from every rank")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``shardwise <command> [options]``; the only command so far is ``train``."""
+    parser = argparse.ArgumentParser(prog="shardwise", description="Fully-sharded data parallel training for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser(
+        "train", help="train a small GPT with fully_shard", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+    )  # fmt: skip
+    _add_train_args(train)
+    return parser
+
+
+def _train_config(args: argparse.Namespace):
+    from shardwise.train.loop import TrainConfig
+
+    return TrainConfig(
+        model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        seed=args.seed, mixed_precision=args.mixed_precision, impl=args.impl, device=args.device,
+        data=args.data, data_bytes=args.data_bytes,
+    )  # fmt: skip
+
+
+def _child_env(nproc: int) -> dict[str, str]:
+    """Environment for the ranks: this shardwise importable, and the CPU cores split between them."""
+    from shardwise.train.distributed import cpu_threads_per_rank
+
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_rank(nproc)))
+    return env
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc N`` / ``--nproc=N``.
+
+    The ranks do not need it, and torchrun's own parser rejects it even after the script
+    name: argparse reports ``--nproc`` as an ambiguous prefix of ``--nproc-per-node``.
+    """
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """Re-run ``python -m shardwise <argv>`` on ``nproc`` local ranks with torchrun; its exit code."""
+    if nproc < 1:
+        raise SystemExit(f"shardwise: --nproc must be >= 1, got {nproc}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "shardwise", *_without_nproc(argv)]
+    try:
+        return subprocess.run(cmd, env=_child_env(nproc)).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``shardwise`` and ``python -m shardwise``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = _train_config(args)
+    except ValueError as e:
+        raise SystemExit(f"shardwise train: {e}") from None
+    from shardwise.train.distributed import is_under_launcher
+
+    if not is_under_launcher():
+        return launch_torchrun(args.nproc, argv)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    from shardwise.train.loop import run
+
+    run(cfg)
+    return 0

@@ -1,0 +1,215 @@
+"""GradReducer: turns a group's unsharded gradients into sharded DTensor ``.grad``s.
+
+One synced backward of a group::
+
+    take grads   unsharded .grad (+ what accumulated while sync was off), in reduce_dtype
+    pack         (N, Pg) rank-major, each grad split like torch.chunk and padded
+    pre-divide   (fp16 only: a power of two, to keep partial sums in range)
+    reduce       SUM reduce-scatter over the shard group -> our (Pg,) shard     [async]
+    finish       wait; HSDP: SUM all-reduce over the replicate group; post-divide;
+                 all-reduce hook; accumulate into each sharded param's .grad DTensor
+
+With ``requires_gradient_sync=False`` nothing is communicated: unsharded grads stay on the
+unsharded params (or accumulate in ``reduce_dtype`` when that differs) and are reduced with
+the next synced backward. With ``requires_all_reduce=False`` (HSDP) the reduce-scattered
+shard accumulates locally and the all-reduce waits for the next backward that allows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+
+from shardwise import collectives, tracing
+from shardwise.param import ShardedParam
+
+if TYPE_CHECKING:  # the group owns its reducer; the reducer only points back weakly
+    from shardwise.group import ParamGroup
+
+
+@dataclasses.dataclass
+class _PendingReduce:
+    work: object | None  # reduce-scatter Work; None at world size 1
+    reduced: torch.Tensor  # (Pg,) our shard of the summed gradients
+    params: list[ShardedParam]  # the params whose grads were packed, in order
+    post_divide: float
+    packed: torch.Tensor  # (N, Pg), kept alive until the collective is done
+
+
+class GradReducer:
+    """The reduction half of a ParamGroup, with the knobs that steer it."""
+
+    requires_gradient_sync: bool
+    requires_all_reduce: bool  # HSDP: all-reduce over the replicate dim in this backward
+    divide_factor: float | None  # None: the data-parallel world size
+    force_sum: bool
+    reduce_scatter_comm: collectives.ReduceScatter
+    reduce_scatter_group: dist.ProcessGroup | None  # None: the shard group
+    all_reduce_hook: Callable[[torch.Tensor], None] | None
+    reduce_scatter_unused_params: bool
+    max_input_buffers: int  # scheduling only: how many packed buffers may be in flight
+    _pending: _PendingReduce | None
+    _partial: _PendingReduce | None  # HSDP shard reduced but not yet all-reduced
+
+    def __init__(self, group: "ParamGroup"):
+        self._group_ref = weakref.ref(group)
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.divide_factor = None
+        self.force_sum = False
+        self.reduce_scatter_comm = collectives.DefaultReduceScatter()
+        self.reduce_scatter_group = None
+        self.all_reduce_hook = None
+        self.reduce_scatter_unused_params = False
+        self.max_input_buffers = 1
+        self._pending = None
+        self._partial = None
+
+    @property
+    def group(self) -> "ParamGroup":
+        return self._group_ref()
+
+    def _reduce_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        mp = self.group.mp_policy
+        return mp.reduce_dtype or mp.param_dtype or grad_dtype
+
+    # ---- gradients --------------------------------------------------------------------
+
+    def reduce_grads(self) -> None:
+        """Reduce this backward's grads (async), or keep accumulating them when sync is off."""
+        if not self.requires_gradient_sync:
+            self._accumulate_unsynced()
+            return
+        params, grads = self._take_grads()
+        if not params:
+            return
+        self.finish()
+        self._start(params, grads)
+
+    def _accumulate_unsynced(self) -> None:
+        """Sync off: move grads whose dtype differs from ``reduce_dtype`` into an accumulator."""
+        for p in self.group.params:
+            unsharded = p.unsharded_param
+            if unsharded is None or unsharded.grad is None:
+                continue
+            dtype = self._reduce_dtype(unsharded.grad.dtype)
+            if dtype == unsharded.grad.dtype and p.unsharded_accumulated_grad is None:
+                continue  # autograd keeps accumulating into .grad itself
+            grad = unsharded.grad.to(dtype)
+            unsharded.grad = None
+            acc = p.unsharded_accumulated_grad
+            p.unsharded_accumulated_grad = grad if acc is None else acc.add_(grad)
+
+    def _take_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
+        """Detach every unsharded grad (plus accumulated ones) from the unsharded params."""
+        params, grads = [], []
+        for p in self.group.params:
+            unsharded = p.unsharded_param
+            grad = None if unsharded is None else unsharded.grad
+            acc = p.unsharded_accumulated_grad
+            if grad is None and acc is None:
+                if not (self.reduce_scatter_unused_params and p.requires_grad):
+                    continue
+                grad = torch.zeros(p.orig_size, dtype=self._reduce_dtype(self.group.param_dtype), device=self.group.device)
+            if unsharded is not None:
+                unsharded.grad = None
+            if acc is not None:
+                p.unsharded_accumulated_grad = None
+                grad = acc if grad is None else acc.add_(grad.to(acc.dtype))
+            params.append(p)
+            grads.append(grad)
+        return params, grads
+
+    def _start(self, params: list[ShardedParam], grads: list[torch.Tensor]) -> None:
+        group = self.group
+        mesh_info = group.mesh_info
+        n = mesh_info.shard_size
+        dtype = self._reduce_dtype(grads[0].dtype)
+        chunked = [p.grad_as_chunks(g.to(dtype)) for p, g in zip(params, grads)]
+        packed = collectives.pack_for_reduce(chunked, n)  # (N, Pg)
+        world = n * mesh_info.replicate_size
+        plan = collectives.plan_reduction(dtype, world, self.divide_factor, self.force_sum)
+        if plan.pre_divide != 1.0:
+            packed.div_(plan.pre_divide)
+        tracing.emit("reduce", group.fqn, group.training_state.value)
+        if n == 1:
+            self._pending = _PendingReduce(None, packed.view(-1), params, plan.post_divide, packed)
+            return
+        comm = self.reduce_scatter_comm
+        reduced = comm.allocate((packed.size(1),), dtype=dtype, device=packed.device)
+        pg = self.reduce_scatter_group or mesh_info.shard_group
+        work = comm(reduced, packed.view(-1), pg, dist.ReduceOp.SUM, async_op=True)
+        self._pending = _PendingReduce(work, reduced, params, plan.post_divide, packed)
+
+    # ---- finishing --------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Wait for the in-flight reduction and accumulate it into the sharded ``.grad``s."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        if pending.work is not None:
+            pending.work.wait()
+        pending = self._all_reduce_or_defer(pending)
+        if pending is None:
+            return
+        reduced = pending.reduced
+        if pending.post_divide != 1.0:
+            reduced.div_(pending.post_divide)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(reduced)
+        offset = 0
+        for p in pending.params:
+            shard = p.shard_of_reduced(reduced[offset : offset + p.padded_numel])
+            offset += p.padded_numel
+            _accumulate_sharded_grad(p, shard)
+        group = self.group
+        tracing.emit("reduce_done", group.fqn, group.training_state.value)
+
+    def _all_reduce_or_defer(self, pending: _PendingReduce) -> _PendingReduce | None:
+        """HSDP: add any deferred shard, then all-reduce now or keep deferring."""
+        mesh_info = self.group.mesh_info
+        if mesh_info.replicate_size == 1:
+            return pending
+        if self._partial is not None:
+            if [p.fqn for p in self._partial.params] != [p.fqn for p in pending.params]:
+                raise RuntimeError(
+                    f"{self.group.fqn}: the parameters with gradients changed between backwards while the "
+                    "HSDP all-reduce was deferred (set_requires_all_reduce(False)); keep them the same"
+                )
+            pending.reduced.add_(self._partial.reduced)
+            self._partial = None
+        if not self.requires_all_reduce:
+            self._partial = pending
+            return None
+        collectives.all_reduce(pending.reduced, mesh_info.replicate_group, async_op=False)
+        return pending
+
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def discard(self) -> None:
+        """Forget an aborted iteration's reductions and unsynced gradients."""
+        if self._pending is not None and self._pending.work is not None:
+            self._pending.work.wait()
+        self._pending = None
+        self._partial = None
+        for p in self.group.params:
+            p.unsharded_accumulated_grad = None
+            if p.unsharded_param is not None:
+                p.unsharded_param.grad = None
+
+
+def _accumulate_sharded_grad(p: ShardedParam, shard: torch.Tensor) -> None:
+    """Store ``shard`` as ``p``'s sharded DTensor grad, or add it to the existing one."""
+    sharded = p.sharded_param
+    local = shard.to(sharded.device, sharded.dtype, non_blocking=True)
+    if sharded.grad is None:
+        sharded.grad = p.to_sharded_dtensor(local)
+    else:
+        sharded.grad._local_tensor.add_(local)
