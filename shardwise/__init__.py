@@ -12,6 +12,7 @@ the rest of the training script::
 
 from shardwise.fully_shard import fully_shard
 from shardwise.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from shardwise.replicate import ReplicateModule, replicate
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardwise.tracing import trace
 
@@ -24,5 +25,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "register_fsdp_forward_method",
     "share_comm_ctx",
+    "replicate",
+    "ReplicateModule",
     "trace",
 ]

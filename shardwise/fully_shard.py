@@ -7,11 +7,13 @@ all-gather and one reduce-scatter.
 
 from __future__ import annotations
 
+import collections
 import warnings
 from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed._composable_state import _insert_module_state
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
@@ -24,9 +26,9 @@ from shardwise.param import ParamSite, ShardedParam
 from shardwise.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
 from shardwise.state import STATE_ATTR, ModuleState, get_state
 
-__all__ = ["fully_shard"]
+__all__ = ["fully_shard", "build_state"]
 
-_FSDP_CLASSES: dict[type, type] = {}
+_DERIVED_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def fully_shard(
@@ -63,10 +65,29 @@ def fully_shard(
     Returns:
         The same module (or list), now an instance of :class:`FSDPModule`.
     """
-    modules = _check_modules(module)
+    modules = _check_modules(module, "fully_shard")
     check_policies(mp_policy, offload_policy)
     mesh_info = fully_shard_mesh_info(mesh if mesh is not None else default_mesh())
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh_info)
+    state = build_state(
+        modules, mesh_info, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params
+    )
+    for m in modules:
+        _register_state(m, state, "fully_shard")
+        m.__class__ = _derived_class(type(m), FSDPModule, "FSDP")
+    return module
+
+
+def build_state(
+    modules: list[nn.Module],
+    mesh_info: MeshInfo,
+    reshard_after_forward: bool | int | None,
+    shard_placement_fn: Callable | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: set | None,
+) -> ModuleState:
+    """The pipeline shared by fully_shard and replicate: params → group → state."""
     params, sites, buffers = _managed_tensors(modules, ignored_params or set())
     device = mesh_info.device
     _move_buffers(buffers, device)
@@ -80,29 +101,41 @@ def fully_shard(
             group.post_forward = post_forward_group(mesh_info, reshard_after_forward)
         for p, sp in zip(params, sharded):
             sp.shared_with = init_checks.claim_original_param(p, sp)
-    state = ModuleState(modules, group, mesh_info, device, mp_policy, reshard_after_forward)
-    for m in modules:
-        m.__dict__[STATE_ATTR] = state
-        _insert_module_state(m, state)
-        m.__class__ = _fsdp_class(type(m))
-    return module
+    return ModuleState(modules, group, mesh_info, device, mp_policy, reshard_after_forward)
 
 
-def _check_modules(module: object) -> list[nn.Module]:
+def _check_modules(module: object, api: str) -> list[nn.Module]:
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
-        raise ValueError("fully_shard got an empty list of modules")
+        raise ValueError(f"{api} got an empty list of modules")
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise ValueError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}: {m!r}")
+            raise ValueError(f"{api} expects an nn.Module or a list of them, got {type(m).__name__}: {m!r}")
         if type(m).forward is nn.Module.forward:
             raise ValueError(
-                f"fully_shard does not support {type(m).__name__}: it implements no forward() (a container); "
-                "apply it to each child module (for layer in model.layers: fully_shard(layer)) or to the parent"
+                f"{api} does not support {type(m).__name__}: it implements no forward() (a container); "
+                f"apply it to each child module (for layer in model.layers: {api}(layer)) or to the parent"
             )
-        if get_state(m) is not None:
-            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
+        state = get_state(m)
+        if state is not None:
+            raise ValueError(
+                f"{state.api} was already applied to this {type(m).__name__}; apply fully_shard or replicate "
+                "once per module"
+            )
     return modules
+
+
+def _register_state(module: nn.Module, state: ModuleState, api: str) -> None:
+    """Attach ``state`` to ``module`` where shardwise and torch's composable APIs look for it.
+
+    torch's registry entry under ``api`` ("fully_shard" is the key FSDP2 uses) makes torch's
+    own ``replicate`` and other fully_shard-aware helpers skip these parameters.
+    """
+    state.api = api
+    module.__dict__[STATE_ATTR] = state
+    _insert_module_state(module, state)
+    registry = module.__dict__.setdefault(REGISTRY_KEY, collections.OrderedDict())
+    registry[api] = RegistryItem()
 
 
 def _check_reshard_after_forward(value: object, mesh_info: MeshInfo) -> bool | None:
@@ -187,7 +220,9 @@ def _move_buffers(buffers: list, device: torch.device) -> None:
             module._buffers[name] = buffer.to(device)
 
 
-def _fsdp_class(cls: type) -> type:
-    if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    return _FSDP_CLASSES[cls]
+def _derived_class(cls: type, mixin: type, prefix: str) -> type:
+    """``<prefix><Orig>`` deriving from ``mixin`` then ``cls``, made once per pair."""
+    key = (cls, mixin)
+    if key not in _DERIVED_CLASSES:
+        _DERIVED_CLASSES[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+    return _DERIVED_CLASSES[key]

@@ -164,10 +164,25 @@ class ParamGroup:
 
     # ---- unshard ----------------------------------------------------------------------
 
+    @property
+    def _aliases_shard(self) -> bool:
+        """One shard of the whole params (world size 1, replicate) needing no cast or device
+        copy: the unsharded params are the flat shard itself, and nothing is copied or freed."""
+        flat = self._flat_shard
+        return (
+            self.mesh_info.shard_size == 1
+            and flat.dtype == self.param_dtype
+            and flat.device == self.device
+            and all(p.shard_dim == 0 for p in self.params)
+        )
+
     def _ensure_unsharded_buffer(self) -> None:
         n = self.mesh_info.shard_size
         if self._unsharded_flat is None or self._unsharded_flat.dtype != self.param_dtype:
-            self._unsharded_flat = torch.empty(n * self._total_numel, dtype=self.param_dtype, device=self.device)
+            if self._aliases_shard:
+                self._unsharded_flat = self._flat_shard
+            else:
+                self._unsharded_flat = torch.empty(n * self._total_numel, dtype=self.param_dtype, device=self.device)
             self._segments = []
             offset = 0
             for p in self.params:
@@ -200,8 +215,11 @@ class ParamGroup:
             )
         self._wait_post_optim_event()
         self._ensure_unsharded_buffer()
-        gather_input, group, n = self._gather_source()
         self._emit("unshard")
+        if self._unsharded_flat is self._flat_shard:
+            self._register_unsharded()
+            return
+        gather_input, group, n = self._gather_source()
         if n == 1:
             self._pending_gather = _PendingGather(None, gather_input, 1)
         else:
@@ -239,6 +257,10 @@ class ParamGroup:
         self._post_forward_shard = None
         for p, segment in zip(self.params, self._segments):
             p.finish_copy_out(segment)
+        self._register_unsharded()
+
+    def _register_unsharded(self) -> None:
+        for p in self.params:
             p.register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
         self._emit("wait_unshard")
@@ -260,7 +282,7 @@ class ParamGroup:
         for p in self.params:
             p.register_sharded()
             p.free_own_unsharded()
-        if self._unsharded_flat is not None:
+        if self._unsharded_flat is not None and self._unsharded_flat is not self._flat_shard:
             self._unsharded_flat.untyped_storage().resize_(0)
         self._emit("reshard")
 

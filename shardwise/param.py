@@ -135,8 +135,11 @@ class ShardedParam:
         return padded_flat.view(self.local_size)
 
     def placements(self) -> tuple:
-        shard = Shard(self.shard_dim)
-        return (Replicate(), shard) if self.mesh_info.replicate_mesh_dim is not None else (shard,)
+        """Shard(d) on the shard mesh dim, Replicate() on every other (HSDP, replicate)."""
+        info = self.mesh_info
+        return tuple(
+            Shard(self.shard_dim) if dim == info.shard_mesh_dim else Replicate() for dim in range(info.mesh.ndim)
+        )
 
     def init_sharded_param(self, local_view: torch.Tensor) -> None:
         """Create the sharded DTensor parameter around ``local_view`` and register it."""

@@ -38,6 +38,7 @@ class _PendingReduce:
     params: list[ShardedParam]  # the params whose grads were packed, in order
     post_divide: float
     packed: torch.Tensor  # (N, Pg), kept alive until the collective is done
+    all_reduced: bool = False  # replicate-only: the all-reduce was the collective in flight
 
 
 class GradReducer:
@@ -137,13 +138,23 @@ class GradReducer:
             packed.div_(plan.pre_divide)
         tracing.emit("reduce", group.fqn, group.training_state.value)
         if n == 1:
-            self._pending = _PendingReduce(None, packed.view(-1), params, plan.post_divide, packed)
+            self._pending = self._start_without_shards(params, packed, plan.post_divide)
             return
         comm = self.reduce_scatter_comm
         reduced = comm.allocate((packed.size(1),), dtype=dtype, device=packed.device)
         pg = self.reduce_scatter_group or mesh_info.shard_group
         work = comm(reduced, packed.view(-1), pg, dist.ReduceOp.SUM, async_op=True)
         self._pending = _PendingReduce(work, reduced, params, plan.post_divide, packed)
+
+    def _start_without_shards(self, params, packed: torch.Tensor, post_divide: float) -> _PendingReduce:
+        """Shard size 1: nothing to reduce-scatter; replicate issues its all-reduce right away
+        so it overlaps the rest of backward."""
+        flat = packed.view(-1)  # (Pg,)
+        mesh_info = self.group.mesh_info
+        if mesh_info.replicate_size == 1 or not self.requires_all_reduce or self._partial is not None:
+            return _PendingReduce(None, flat, params, post_divide, packed)
+        work = collectives.all_reduce(flat, mesh_info.replicate_group, async_op=True)
+        return _PendingReduce(work, flat, params, post_divide, packed, all_reduced=True)
 
     # ---- finishing --------------------------------------------------------------------
 
@@ -174,7 +185,7 @@ class GradReducer:
     def _all_reduce_or_defer(self, pending: _PendingReduce) -> _PendingReduce | None:
         """HSDP: add any deferred shard, then all-reduce now or keep deferring."""
         mesh_info = self.group.mesh_info
-        if mesh_info.replicate_size == 1:
+        if mesh_info.replicate_size == 1 or pending.all_reduced:
             return pending
         if self._partial is not None:
             if [p.fqn for p in self._partial.params] != [p.fqn for p in pending.params]:

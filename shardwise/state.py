@@ -125,6 +125,7 @@ class ModuleState(_State):
         self.is_root = None
         self.ctx = None
         self.fqn = ""
+        self.api = "fully_shard"  # or "replicate": which public call made this state
         self.forward_prefetch = []
         self.backward_prefetch = None
         self.unshard_async_op = False  # torch's _set_unshard_async_op; shardwise is always async inside
