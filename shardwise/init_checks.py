@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:  # imports for annotations only; state.py imports this module
     from shardwise.param import ShardedParam
     from shardwise.state import ModuleState
 
-_CLAIMS: "weakref.WeakKeyDictionary[nn.Parameter, weakref.ref]" = weakref.WeakKeyDictionary()
+# Keyed by identity (tensors' __eq__ is elementwise) and weak, so freed params drop out.
+_CLAIMS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 _CHECK_ROUND = [0]
 
 

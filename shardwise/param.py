@@ -27,6 +27,7 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardwise.mesh import MeshInfo
@@ -66,6 +67,8 @@ class ShardedParam:
     fqn: str  # filled in at lazy init, relative to the root
     orig_size: torch.Size  # the user's (global) shape
     orig_stride: tuple[int, ...]
+    unsharded_size: torch.Size  # what one all-gather rebuilds: orig_size, or the TP-local shape
+    tp_spec: DTensorSpec | None  # the spec of a parameter that was already a DTensor (tensor parallel)
     shard_dim: int
     num_shards: int  # N
     padded_rows: int  # rows of one padded shard on shard_dim
@@ -87,10 +90,14 @@ class ShardedParam:
         self.mesh_info = mesh_info
         self.requires_grad = param.requires_grad
         self.orig_size = param.size()
-        self.orig_stride = tuple(torch.empty(param.shape, device="meta").stride())
+        self.orig_stride = _contiguous_stride(param.shape)
+        self.tp_spec = param._spec if isinstance(param, DTensor) else None
+        local = param.to_local() if isinstance(param, DTensor) else param
+        self.unsharded_size = local.size()
         self.shard_dim = shard_dim
         self.num_shards = mesh_info.shard_size
-        self._init_shape(param, mesh_info.shard_rank)
+        self._init_shape(local, mesh_info.shard_rank)
+        self._spmd_mesh, self._placements = spmd_layout(mesh_info, self.tp_spec, shard_dim)
         self.unsharded_param = None
         self._own_unsharded: torch.Tensor | None = None  # Shard(d != 0) only: (D0, *rest)
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # (D0, *rest) in reduce dtype, sync off
@@ -135,17 +142,13 @@ class ShardedParam:
         return padded_flat.view(self.local_size)
 
     def placements(self) -> tuple:
-        """Shard(d) on the shard mesh dim, Replicate() on every other (HSDP, replicate)."""
-        info = self.mesh_info
-        return tuple(
-            Shard(self.shard_dim) if dim == info.shard_mesh_dim else Replicate() for dim in range(info.mesh.ndim)
-        )
+        return self._placements
 
     def init_sharded_param(self, local_view: torch.Tensor) -> None:
         """Create the sharded DTensor parameter around ``local_view`` and register it."""
         dtensor = DTensor.from_local(
             local_view,
-            self.mesh_info.mesh,
+            self._spmd_mesh,
             self.placements(),
             run_check=False,
             shape=self.orig_size,
@@ -162,13 +165,13 @@ class ShardedParam:
 
     def _refresh_spec(self) -> None:
         meta = TensorMeta(self.orig_size, self.orig_stride, self.sharded_param.dtype)
-        self._spec = DTensorSpec(self.mesh_info.mesh, self.placements(), tensor_meta=meta)
+        self._spec = DTensorSpec(self._spmd_mesh, self.placements(), tensor_meta=meta)
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local shard-shaped tensor (a gradient) as a DTensor with our placements."""
         if local.dtype != self._spec.tensor_meta.dtype:
             meta = TensorMeta(self.orig_size, self.orig_stride, local.dtype)
-            spec = DTensorSpec(self.mesh_info.mesh, self.placements(), tensor_meta=meta)
+            spec = DTensorSpec(self._spmd_mesh, self.placements(), tensor_meta=meta)
         else:
             spec = self._spec
         return DTensor(local, spec, requires_grad=False)
@@ -195,10 +198,15 @@ class ShardedParam:
             source = gathered
             self._own_unsharded = None
         else:  # chunks along d != 0 are concatenated on copy-out into storage of its own
-            source = torch.empty(self.orig_size, dtype=gathered.dtype, device=gathered.device)
+            source = torch.empty(self.unsharded_size, dtype=gathered.dtype, device=gathered.device)
             self._own_unsharded = source
         tensor = torch.empty(0, dtype=gathered.dtype, device=gathered.device)
-        tensor.set_(source.untyped_storage(), source.storage_offset(), self.orig_size, self.orig_stride)
+        size = self.unsharded_size
+        tensor.set_(source.untyped_storage(), source.storage_offset(), size, _contiguous_stride(size))
+        if self.tp_spec is not None:  # the unsharded param is the TP DTensor again
+            meta = TensorMeta(self.orig_size, self.orig_stride, tensor.dtype)
+            spec = DTensorSpec(self.tp_spec.mesh, self.tp_spec.placements, tensor_meta=meta)
+            tensor = DTensor(tensor, spec, requires_grad=False)
         self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
 
     def finish_copy_out(self, gathered: torch.Tensor) -> None:
@@ -221,6 +229,14 @@ class ShardedParam:
             site.set(self.unsharded_param)
         self.sharded_state = ShardedState.UNSHARDED
 
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The unsharded gradient as a plain tensor (a TP param's grad in its TP placements)."""
+        if not isinstance(grad, DTensor):
+            return grad
+        if self.tp_spec is not None and grad.placements != self.tp_spec.placements:
+            grad = grad.redistribute(placements=self.tp_spec.placements)
+        return grad.to_local()
+
     def grad_as_chunks(self, grad: torch.Tensor) -> torch.Tensor:
         """The unsharded gradient laid out so that chunk i along dim 0 is rank i's shard."""
         if self.shard_dim == 0:
@@ -231,3 +247,43 @@ class ShardedParam:
     def shard_of_reduced(self, reduced_segment: torch.Tensor) -> torch.Tensor:
         """This rank's real gradient shard from its padded segment of the reduce-scatter output."""
         return self.shard_view(reduced_segment)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def spmd_layout(mesh_info: MeshInfo, tp_spec: DTensorSpec | None, shard_dim: int):
+    """The mesh and placements of a sharded parameter.
+
+    Plain params: the data-parallel mesh, ``Shard(d)`` on the shard dim and ``Replicate()``
+    on a replicate dim. Tensor-parallel params: the root mesh's (dp..., tp...) submesh, the
+    dp placements followed by the TP ones. When TP already shards dim d, the dp shard of
+    the TP-local tensor is a *strided* shard of the global one (``_StridedShard`` with the
+    TP split factor), so ``full_tensor()`` reassembles it exactly.
+    """
+    dp_mesh = mesh_info.mesh
+    dp_shard = Shard(shard_dim)
+    if tp_spec is not None:
+        split = 1
+        for size, placement in zip(tp_spec.mesh.shape, tp_spec.placements):
+            if isinstance(placement, Shard) and placement.dim == shard_dim:
+                split *= size
+        if split > 1:
+            dp_shard = _StridedShard(shard_dim, split_factor=split)
+    dp_placements = tuple(dp_shard if d == mesh_info.shard_mesh_dim else Replicate() for d in range(dp_mesh.ndim))
+    if tp_spec is None:
+        return dp_mesh, dp_placements
+    names = (dp_mesh.mesh_dim_names or ()) + (tp_spec.mesh.mesh_dim_names or ())
+    if len(names) != dp_mesh.ndim + tp_spec.mesh.ndim:
+        raise ValueError(
+            "fully_shard on tensor-parallel DTensor parameters needs named mesh dims so the (dp, tp) mesh "
+            f"can be formed: got dp mesh {dp_mesh} and tp mesh {tp_spec.mesh}; build both from one "
+            "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        )
+    spmd_mesh = dp_mesh._get_root_mesh()[names]
+    return spmd_mesh, dp_placements + tuple(tp_spec.placements)

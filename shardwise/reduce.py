@@ -100,7 +100,7 @@ class GradReducer:
             dtype = self._reduce_dtype(unsharded.grad.dtype)
             if dtype == unsharded.grad.dtype and p.unsharded_accumulated_grad is None:
                 continue  # autograd keeps accumulating into .grad itself
-            grad = unsharded.grad.to(dtype)
+            grad = p.local_grad(unsharded.grad).to(dtype)
             unsharded.grad = None
             acc = p.unsharded_accumulated_grad
             p.unsharded_accumulated_grad = grad if acc is None else acc.add_(grad)
@@ -115,9 +115,11 @@ class GradReducer:
             if grad is None and acc is None:
                 if not (self.reduce_scatter_unused_params and p.requires_grad):
                     continue
-                grad = torch.zeros(p.orig_size, dtype=self._reduce_dtype(self.group.param_dtype), device=self.group.device)
+                dtype = self._reduce_dtype(self.group.param_dtype)
+                grad = torch.zeros(p.unsharded_size, dtype=dtype, device=self.group.device)
             if unsharded is not None:
                 unsharded.grad = None
+            grad = None if grad is None else p.local_grad(grad)
             if acc is not None:
                 p.unsharded_accumulated_grad = None
                 grad = acc if grad is None else acc.add_(grad.to(acc.dtype))

@@ -153,9 +153,11 @@ class ModuleState(_State):
         states = _states_under(self.modules)
         for state in states[1:]:
             if state.ctx is not None:
+                names = {id(m): name for name, m in self.modules[0].named_modules()}
+                child = names.get(id(state.modules[0]), type(state.modules[0]).__name__)
                 raise RuntimeError(
-                    f"shardwise: {state!r} already ran forward as its own root before {type(self.modules[0]).__name__} "
-                    "(the root) ran; run forward through the root module first, or call reset on a fresh model"
+                    f"shardwise: submodule {child!r} already ran forward as its own root before its parent "
+                    f"{type(self.modules[0]).__name__} (the root) ran; run forward through the root module first"
                 )
         ctx = IterationContext(self, states)
         for state in states:

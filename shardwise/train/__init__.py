@@ -1,0 +1,22 @@
+"""``shardwise train``: a small GPT trained on the Python standard library's sources with ``fully_shard``.
+
+One module per concept:
+
+- :mod:`~shardwise.train.model` — the GPT and its size presets (tiny ~1M, small ~10M, medium ~50M).
+- :mod:`~shardwise.train.data` — the byte-level corpus and per-rank batch sampling.
+- :mod:`~shardwise.train.distributed` — process group, device and mesh for this rank.
+- :mod:`~shardwise.train.sharding` — ``fully_shard`` per block then root, shardwise's or torch's.
+- :mod:`~shardwise.train.loop` — the step and the run every rank executes.
+- :mod:`~shardwise.train.report` — progress bar and summary on rank 0.
+
+Launch::
+
+    python -m shardwise train                                      # 2 CPU ranks via torchrun
+    python -m shardwise train --nproc 1 --steps 30                 # a single rank
+    torchrun --standalone --nproc-per-node 4 -m shardwise train --model small --impl torch
+"""
+
+from shardwise.train.loop import TrainConfig, TrainResult, run, train
+from shardwise.train.model import GPT, GPTConfig
+
+__all__ = ["GPT", "GPTConfig", "TrainConfig", "TrainResult", "train", "run"]

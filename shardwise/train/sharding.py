@@ -1,0 +1,92 @@
+"""Apply FSDP2-style sharding to a :class:`~shardwise.train.model.GPT`, with either implementation.
+
+``--impl shardwise`` uses this project's ``shardwise.fully_shard``; ``--impl torch`` uses
+``torch.distributed.fsdp.fully_shard``, the API shardwise reimplements. Both are called
+identically, so the same run is a like-for-like comparison. Each implementation is
+imported only when chosen (inside :func:`_import_shardwise` / :func:`_import_torch`), so
+choosing one never depends on the other importing cleanly.
+
+The wrapping is the usual one for transformers: one FSDP unit per block, so only one
+block's full parameters need exist at a time, then the root for what is left (embeddings,
+final norm, output head)::
+
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["IMPLS", "MIXED_PRECISION", "FSDPApi", "load_fsdp_api", "shard_model"]
+
+logger = logging.getLogger(__name__)
+
+IMPLS = ("shardwise", "torch")
+"""Values of ``--impl``."""
+
+MIXED_PRECISION = ("none", "bf16")
+"""Values of ``--mixed-precision``: fp32 throughout, or bf16 compute with fp32 gradient reduction."""
+
+
+class FSDPApi(NamedTuple):
+    """The two names a training loop needs from an FSDP2 implementation."""
+
+    fully_shard: Callable[..., Any]
+    MixedPrecisionPolicy: type
+
+
+def _import_shardwise() -> FSDPApi:
+    try:
+        from shardwise import MixedPrecisionPolicy, fully_shard
+    except ImportError as e:
+        raise ImportError(f"shardwise's fully_shard is not importable ({e}); --impl torch runs torch's FSDP2 instead") from e
+
+    return FSDPApi(fully_shard, MixedPrecisionPolicy)
+
+
+def _import_torch() -> FSDPApi:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    return FSDPApi(fully_shard, MixedPrecisionPolicy)
+
+
+def load_fsdp_api(impl: str) -> FSDPApi:
+    """``fully_shard`` and ``MixedPrecisionPolicy`` of the implementation named ``impl``."""
+    if impl == "shardwise":
+        return _import_shardwise()
+    if impl == "torch":
+        return _import_torch()
+    raise ValueError(f"unknown FSDP implementation {impl!r}; expected one of {IMPLS}")
+
+
+def _mp_policy(api: FSDPApi, mixed_precision: str) -> Any:
+    if mixed_precision == "none":
+        return api.MixedPrecisionPolicy()
+    if mixed_precision == "bf16":
+        return api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise ValueError(f"unknown mixed precision {mixed_precision!r}; expected one of {MIXED_PRECISION}")
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, impl: str, mixed_precision: str = "none") -> nn.Module:
+    """Shard every block of ``model.layers``, then ``model`` itself; returns ``model``.
+
+    Args:
+        model: a module with a ``layers`` ``nn.ModuleList`` (a :class:`GPT`), already on the mesh's device.
+        mesh: the 1-D data-parallel mesh to shard over.
+        impl: ``"shardwise"`` or ``"torch"``.
+        mixed_precision: ``"none"`` or ``"bf16"`` (bf16 parameters and compute, fp32 gradient reduction).
+    """
+    api = load_fsdp_api(impl)
+    mp = _mp_policy(api, mixed_precision)
+    for block in model.layers:
+        api.fully_shard(block, mesh=mesh, mp_policy=mp)
+    api.fully_shard(model, mesh=mesh, mp_policy=mp)
+    logger.info("sharded %d blocks + root with %s fully_shard (mixed precision %s)", len(model.layers), impl, mixed_precision)
+    return model
