@@ -13,7 +13,7 @@ the rest of the training script::
 from shardwise.fully_shard import fully_shard
 from shardwise.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from shardwise.replicate import ReplicateModule, replicate
-from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shardwise.policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from shardwise.tracing import trace
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "replicate",

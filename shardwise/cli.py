@@ -32,29 +32,34 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     from shardwise.train.sharding import IMPLS, MIXED_PRECISION
 
     d = TrainConfig()
-    p.add_argument("--nproc", type=int, default=2, help="ranks to launch on this machine when not already under torchrun (default 2)")
-    p.add_argument("--model", choices=sorted(PRESETS), default=d.model, help="model size: tiny ~1M, small ~10M, medium ~50M parameters (default %(default)s)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step (default %(default)s)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default: the preset's)")
-    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed for initialisation and data sampling (default %(default)s)")
-    p.add_argument("--mixed-precision", choices=MIXED_PRECISION, default=d.mixed_precision, help="bf16: bf16 params/compute, fp32 gradient reduction (default %(default)s)")
-    p.add_argument("--impl", choices=IMPLS, default=d.impl, help="which fully_shard to use (default %(default)s)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device, help="auto: a GPU per rank when available, else CPU (default %(default)s)")
-    p.add_argument("--data", default=d.data, metavar="PATH", help="text file or directory to train on (default: the Python stdlib's .py sources)")
-    p.add_argument("--data-bytes", type=int, default=d.data_bytes, help="read at most this many bytes of text (default %(default)s)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log set-up details from every rank")
+    add = p.add_argument
+    add("--nproc", type=int, default=2, help="ranks to launch here when not already under torchrun (default 2)")
+    add("--model", choices=sorted(PRESETS), default=d.model,
+        help="size: tiny ~1M, small ~10M, medium ~50M parameters (default %(default)s)")
+    add("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    add("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step (default %(default)s)")
+    add("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default: the preset's)")
+    add("--lr", type=float, default=d.lr, help="AdamW learning rate (default %(default)s)")
+    add("--seed", type=int, default=d.seed, help="seed for initialisation and sampling (default %(default)s)")
+    add("--mixed-precision", choices=MIXED_PRECISION, default=d.mixed_precision,
+        help="bf16: bf16 params and compute, fp32 gradient reduction (default %(default)s)")
+    add("--impl", choices=IMPLS, default=d.impl, help="which fully_shard to use (default %(default)s)")
+    add("--device", choices=("auto", "cpu", "cuda"), default=d.device,
+        help="auto: a GPU per rank when there are enough, else CPU (default %(default)s)")
+    add("--data", default=d.data, metavar="PATH",
+        help="text file or directory to train on (default: the Python stdlib's .py sources)")
+    add("--data-bytes", type=int, default=d.data_bytes, help="read at most this many bytes (default %(default)s)")
+    add("-v", "--verbose", action="store_true", help="log set-up details from every rank")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """``shardwise <command> [options]``; the only command so far is ``train``."""
-    parser = argparse.ArgumentParser(prog="shardwise", description="Fully-sharded data parallel training for PyTorch.")
+    parser = argparse.ArgumentParser(prog="shardwise", description="Fully-sharded data parallel training.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
         "train", help="train a small GPT with fully_shard", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
-    )  # fmt: skip
+    )
     _add_train_args(train)
     return parser
 
@@ -66,7 +71,7 @@ def _train_config(args: argparse.Namespace):
         model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         seed=args.seed, mixed_precision=args.mixed_precision, impl=args.impl, device=args.device,
         data=args.data, data_bytes=args.data_bytes,
-    )  # fmt: skip
+    )
 
 
 def _child_env(nproc: int) -> dict[str, str]:
@@ -122,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if not is_under_launcher():
         return launch_torchrun(args.nproc, argv)
     rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    level = logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     from shardwise.train.loop import run
 
     run(cfg)

@@ -20,10 +20,10 @@ from torch.distributed.tensor import Shard
 
 from shardwise import init_checks
 from shardwise.group import ParamGroup
-from shardwise.mesh import MeshInfo, default_mesh, fully_shard_mesh_info, post_forward_group
+from shardwise.mesh import MeshInfo, default_mesh, fully_shard_mesh_info, post_forward_group, spmd_mesh_info
 from shardwise.module import FSDPModule
 from shardwise.param import ParamSite, ShardedParam
-from shardwise.policies import MixedPrecisionPolicy, OffloadPolicy, check_policies
+from shardwise.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, check_policies
 from shardwise.state import STATE_ATTR, ModuleState, get_state
 
 __all__ = ["fully_shard", "build_state"]
@@ -40,6 +40,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ):
     """Shard ``module``'s parameters over ``mesh`` and gather them around its forward/backward.
 
@@ -60,14 +61,17 @@ def fully_shard(
         shard_placement_fn: maps a parameter to the ``Shard(dim)`` to use (None: dim 0).
         mp_policy: mixed precision (see :class:`MixedPrecisionPolicy`).
         offload_policy: :class:`OffloadPolicy` (default, none) or :class:`CPUOffloadPolicy`.
-        ignored_params: parameters left unmanaged (not sharded, not reduced).
+        ignored_params: parameters left unmanaged (not sharded, not reduced, not moved).
+        dp_mesh_dims: when ``mesh`` is the full SPMD mesh and the params are already DTensors
+            on it (``Replicate()`` on the data-parallel dims), names the dims to shard and to
+            replicate over; see :class:`DataParallelMeshDims`.
 
     Returns:
         The same module (or list), now an instance of :class:`FSDPModule`.
     """
     modules = _check_modules(module, "fully_shard")
     check_policies(mp_policy, offload_policy)
-    mesh_info = fully_shard_mesh_info(mesh if mesh is not None else default_mesh())
+    mesh_info = _mesh_info(mesh, dp_mesh_dims, reshard_after_forward)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh_info)
     state = build_state(
         modules, mesh_info, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params
@@ -136,6 +140,16 @@ def _register_state(module: nn.Module, state: ModuleState, api: str) -> None:
     _insert_module_state(module, state)
     registry = module.__dict__.setdefault(REGISTRY_KEY, collections.OrderedDict())
     registry[api] = RegistryItem()
+
+
+def _mesh_info(mesh: DeviceMesh | None, dp_mesh_dims: object, reshard_after_forward: object) -> MeshInfo:
+    if dp_mesh_dims is None:
+        return fully_shard_mesh_info(mesh if mesh is not None else default_mesh())
+    if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise TypeError(f"dp_mesh_dims must be a shardwise.DataParallelMeshDims, got {type(dp_mesh_dims).__name__}")
+    if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+        raise NotImplementedError("reshard_after_forward as int is not yet supported with an SPMD mesh (dp_mesh_dims)")
+    return spmd_mesh_info(mesh, dp_mesh_dims)
 
 
 def _check_reshard_after_forward(value: object, mesh_info: MeshInfo) -> bool | None:

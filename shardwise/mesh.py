@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from shardwise.policies import DataParallelMeshDims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,3 +136,24 @@ def _new_post_forward_group(mesh_info: MeshInfo, k: int) -> PostForwardGroup:
     ranks = mesh_info.mesh.mesh.reshape(-1, k)  # (world / k, k), blocks inside each shard group
     block_mesh = DeviceMesh(mesh_info.mesh.device_type, ranks, mesh_dim_names=("pf_outer", "pf_block"))
     return PostForwardGroup(block_mesh.get_group(1), k, block_mesh.get_local_rank(1))
+
+
+def spmd_mesh_info(mesh: object, dims: "DataParallelMeshDims") -> MeshInfo:
+    """Read the data-parallel part of a full SPMD mesh named by ``dims``."""
+    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
+        raise ValueError(f"dp_mesh_dims needs a DeviceMesh with named dims, got {mesh!r}")
+    names = dims.replicate_names + dims.shard_names
+    unknown = [n for n in names if n not in mesh.mesh_dim_names]
+    if unknown:
+        raise ValueError(f"dp_mesh_dims names {unknown} are not dims of {mesh}")
+    if len(dims.shard_names) > 1 or len(dims.replicate_names) > 1:
+        raise NotImplementedError(
+            f"dp_mesh_dims with several names per field ({dims}) is not supported yet: flatten them "
+            "into one named dim first (mesh[('a', 'b')]._flatten('ab'))"
+        )
+    dp_mesh = mesh[names]
+    if not dims.shard_names:
+        return MeshInfo(dp_mesh, shard_mesh_dim=None, replicate_mesh_dim=0)
+    if not dims.replicate_names:
+        return MeshInfo(dp_mesh, shard_mesh_dim=0, replicate_mesh_dim=None)
+    return MeshInfo(dp_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)

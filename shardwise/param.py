@@ -68,7 +68,7 @@ class ShardedParam:
     orig_size: torch.Size  # the user's (global) shape
     orig_stride: tuple[int, ...]
     unsharded_size: torch.Size  # what one all-gather rebuilds: orig_size, or the TP-local shape
-    tp_spec: DTensorSpec | None  # the spec of a parameter that was already a DTensor (tensor parallel)
+    tp_spec: DTensorSpec | None  # spec of a param that already was a DTensor (TP); the unsharded param's
     shard_dim: int
     num_shards: int  # N
     padded_rows: int  # rows of one padded shard on shard_dim
@@ -97,7 +97,7 @@ class ShardedParam:
         self.shard_dim = shard_dim
         self.num_shards = mesh_info.shard_size
         self._init_shape(local, mesh_info.shard_rank)
-        self._spmd_mesh, self._placements = spmd_layout(mesh_info, self.tp_spec, shard_dim)
+        self._spmd_mesh, self._placements = spmd_layout(mesh_info, self.tp_spec, shard_dim, sites[0].name)
         self.unsharded_param = None
         self._own_unsharded: torch.Tensor | None = None  # Shard(d != 0) only: (D0, *rest)
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # (D0, *rest) in reduce dtype, sync off
@@ -108,7 +108,7 @@ class ShardedParam:
         d, n = self.shard_dim, self.num_shards
         dim_size = param.size(d)
         if d != 0 and dim_size % n != 0:
-            raise ValueError(
+            raise NotImplementedError(
                 f"shard_placement_fn returned Shard({d}) for parameter {self.fqn!r} of shape "
                 f"{tuple(param.shape)}, but dim {d} (size {dim_size}) does not divide evenly over "
                 f"{n} shards; return Shard(0) or a dim whose size is a multiple of {n}"
@@ -257,33 +257,50 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def spmd_layout(mesh_info: MeshInfo, tp_spec: DTensorSpec | None, shard_dim: int):
+def spmd_layout(mesh_info: MeshInfo, param_spec: DTensorSpec | None, shard_dim: int, name: str):
     """The mesh and placements of a sharded parameter.
 
     Plain params: the data-parallel mesh, ``Shard(d)`` on the shard dim and ``Replicate()``
-    on a replicate dim. Tensor-parallel params: the root mesh's (dp..., tp...) submesh, the
-    dp placements followed by the TP ones. When TP already shards dim d, the dp shard of
-    the TP-local tensor is a *strided* shard of the global one (``_StridedShard`` with the
-    TP split factor), so ``full_tensor()`` reassembles it exactly.
+    on a replicate dim. Params already DTensors (tensor parallel) keep their placements on
+    their own dims and gain the data-parallel ones: on the root mesh's (dp..., tp...) submesh
+    when TP used a separate mesh, or on their own full SPMD mesh (``dp_mesh_dims``), where
+    they must be ``Replicate()`` on the data-parallel dims. When TP already shards dim d, the
+    dp shard of the TP-local tensor is a *strided* shard of the global one (``_StridedShard``
+    with the TP split factor), so ``full_tensor()`` reassembles it exactly.
     """
     dp_mesh = mesh_info.mesh
-    dp_shard = Shard(shard_dim)
-    if tp_spec is not None:
-        split = 1
-        for size, placement in zip(tp_spec.mesh.shape, tp_spec.placements):
-            if isinstance(placement, Shard) and placement.dim == shard_dim:
-                split *= size
-        if split > 1:
-            dp_shard = _StridedShard(shard_dim, split_factor=split)
-    dp_placements = tuple(dp_shard if d == mesh_info.shard_mesh_dim else Replicate() for d in range(dp_mesh.ndim))
-    if tp_spec is None:
-        return dp_mesh, dp_placements
-    names = (dp_mesh.mesh_dim_names or ()) + (tp_spec.mesh.mesh_dim_names or ())
-    if len(names) != dp_mesh.ndim + tp_spec.mesh.ndim:
+    dp_names = dp_mesh.mesh_dim_names or ()
+    if param_spec is None:
+        return dp_mesh, _dp_placements(mesh_info, Shard(shard_dim))
+    names = param_spec.mesh.mesh_dim_names or ()
+    if set(dp_names) & set(names):  # params on the full SPMD mesh
+        tp = [(n, size, pl) for n, size, pl in zip(names, param_spec.mesh.shape, param_spec.placements) if n not in dp_names]
+        for n, pl in zip(names, param_spec.placements):
+            if n in dp_names and not isinstance(pl, Replicate):
+                raise ValueError(
+                    f"parameter {name!r} is {pl} on data-parallel mesh dim {n!r}; with dp_mesh_dims the "
+                    "parameters must be Replicate() on the data-parallel dims"
+                )
+        dp = dict(zip(dp_names, _dp_placements(mesh_info, _dp_shard(shard_dim, tp))))
+        return param_spec.mesh, tuple(dp.get(n, pl) for n, pl in zip(names, param_spec.placements))
+    if len(dp_names) + len(names) != dp_mesh.ndim + param_spec.mesh.ndim:
         raise ValueError(
-            "fully_shard on tensor-parallel DTensor parameters needs named mesh dims so the (dp, tp) mesh "
-            f"can be formed: got dp mesh {dp_mesh} and tp mesh {tp_spec.mesh}; build both from one "
+            f"fully_shard on tensor-parallel DTensor parameter {name!r} needs named mesh dims so the (dp, tp) "
+            f"mesh can be formed: got dp mesh {dp_mesh} and tp mesh {param_spec.mesh}; build both from one "
             "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
         )
-    spmd_mesh = dp_mesh._get_root_mesh()[names]
-    return spmd_mesh, dp_placements + tuple(tp_spec.placements)
+    tp = list(zip(names, param_spec.mesh.shape, param_spec.placements))
+    spmd_mesh = dp_mesh._get_root_mesh()[dp_names + names]
+    return spmd_mesh, _dp_placements(mesh_info, _dp_shard(shard_dim, tp)) + tuple(param_spec.placements)
+
+
+def _dp_shard(shard_dim: int, tp: list[tuple]) -> Shard:
+    split = 1
+    for _, size, placement in tp:
+        if isinstance(placement, Shard) and placement.dim == shard_dim:
+            split *= size
+    return _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+
+
+def _dp_placements(mesh_info: MeshInfo, shard: Shard) -> tuple:
+    return tuple(shard if d == mesh_info.shard_mesh_dim else Replicate() for d in range(mesh_info.mesh.ndim))

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"]
 
 
 def _check_float_dtype(field: str, dtype: torch.dtype | None) -> None:
@@ -77,6 +77,42 @@ class CPUOffloadPolicy(OffloadPolicy):
     def __post_init__(self) -> None:
         if not isinstance(self.pin_memory, bool):
             raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which dims of a full SPMD mesh are data parallel, for params already DTensors on it.
+
+    Pass it as ``fully_shard(module, mesh=spmd_mesh, dp_mesh_dims=...)`` when the model was
+    parallelized on the whole mesh (e.g. ``(dp_replicate, dp_shard, tp)``) and its params are
+    ``Replicate()`` on the data-parallel dims: fully_shard then shards over ``shard`` and
+    reduces over ``replicate``, leaving the other placements as they are.
+
+    Attributes:
+        shard: mesh dim name FSDP shards parameters over.
+        replicate: mesh dim name gradients are all-reduced over (HSDP).
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims needs at least one of shard= and replicate=")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def check_policies(mp_policy: object, offload_policy: object) -> None:

@@ -82,7 +82,7 @@ class RankPool:
         self.world_size = world_size
         self.alive = True
         self._next_task_id = 0
-        self._tmpdir = tempfile.mkdtemp(prefix=f"shardwise-ranks{world_size}-")
+        self._tmpdir = tempfile.mkdtemp(prefix=f"shardwise-ranks{world_size}-pid{os.getpid()}-")
         self._store = _loopback_store(startup_timeout)
         self._procs, self._conns, self._pids = [], [], []
         try:

@@ -45,6 +45,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     ``dist.get_world_size()``, ``init_device_mesh("cpu", ...)`` and ``dist.new_group``
     all work). Before each call every rank resets ``torch.manual_seed(0)`` and one
     intra-op thread; process groups the call creates are destroyed after it succeeds.
+    Calls are serial: use one thread (pytest's) to call this.
 
     Args:
         fn: a module-level function; it is pickled by reference and imported by name

@@ -28,7 +28,9 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["VOCAB_SIZE", "DEFAULT_MAX_BYTES", "stdlib_dir", "corpus_files", "load_corpus", "encode", "decode", "BatchSampler"]
+__all__ = [
+    "VOCAB_SIZE", "DEFAULT_MAX_BYTES", "stdlib_dir", "corpus_files", "load_corpus", "encode", "decode", "BatchSampler",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +125,9 @@ class BatchSampler:
 
     def __init__(self, tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, rank: int) -> None:
         if tokens.dim() != 1 or tokens.numel() < seq_len + 1:
-            raise ValueError(f"need a 1-D corpus of at least seq_len+1={seq_len + 1} tokens, got shape {tuple(tokens.shape)}")
+            raise ValueError(
+                f"need a 1-D corpus of at least seq_len+1={seq_len + 1} tokens, got shape {tuple(tokens.shape)}"
+            )
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
         self.tokens = tokens
@@ -132,7 +136,8 @@ class BatchSampler:
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
 
     def __repr__(self) -> str:
-        return f"BatchSampler(corpus={self.tokens.numel()} tokens, batch_size={self.batch_size}, seq_len={self.seq_len})"
+        n = self.tokens.numel()
+        return f"BatchSampler(corpus={n} tokens, batch_size={self.batch_size}, seq_len={self.seq_len})"
 
     def next_batch(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``(inputs, targets)`` pair, each ``(batch_size, seq_len)`` int64 on ``device``."""

@@ -83,18 +83,17 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def setup(device: str = "auto") -> DistEnv:
+def setup(device: str = "auto", num_threads: int | None = None) -> DistEnv:
     """Initialise (or adopt) the default process group and build this rank's :class:`DistEnv`.
 
     Args:
         device: ``"auto"`` (GPU per local rank when available, else CPU), ``"cpu"`` or ``"cuda"``.
-
-    Also divides the CPU cores between the ranks on this machine (``torch.set_num_threads``),
-    since several CPU ranks each using every core would mostly contend.
+        num_threads: CPU threads for this rank's ops; ``None`` gives each rank on this machine
+            an even share of the cores, since several ranks each using every core mostly contend.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    torch.set_num_threads(cpu_threads_per_rank(local_world_size))
+    torch.set_num_threads(num_threads or cpu_threads_per_rank(local_world_size))
     dev = _pick_device(device, local_rank)
     owns = not dist.is_initialized()
     if owns:
@@ -102,10 +101,14 @@ def setup(device: str = "auto") -> DistEnv:
             raise RuntimeError("no process group: run under torchrun (or `shardwise train`, which launches it)")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
+        on_gpu = dev.type == "cuda"
+        dist.init_process_group(backend="nccl" if on_gpu else "gloo", device_id=dev if on_gpu else None)
     mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
     env = DistEnv(dist.get_rank(), dist.get_world_size(), dev, mesh, owns)
-    logger.info("rank %d/%d on %s (backend %s, %d threads)", env.rank, env.world_size, dev, dist.get_backend(), torch.get_num_threads())
+    logger.info(
+        "rank %d/%d on %s (backend %s, %d threads)",
+        env.rank, env.world_size, dev, dist.get_backend(), torch.get_num_threads(),
+    )
     return env
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,12 @@ from shardwise.train.distributed import DistEnv, setup, teardown
 from shardwise.train.model import GPT, PRESETS, GPTConfig, count_params
 from shardwise.train.sharding import IMPLS, MIXED_PRECISION, shard_model
 
-__all__ = ["TrainConfig", "TrainResult", "build_model", "build_optimizer", "train_step", "mean_across_ranks", "train", "run"]
+if TYPE_CHECKING:
+    from shardwise.comm_stats import CommStats
+
+__all__ = [
+    "TrainConfig", "TrainResult", "build_model", "build_optimizer", "train_step", "mean_across_ranks", "train", "run",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +114,7 @@ class TrainResult:
     final_loss: float  # the last step's loss, mean over ranks
     wall_s: float  # time spent in the steps
     setup_s: float  # corpus, model build and sharding, before the first step
-    comm: "object | None"  # shardwise.comm_stats.CommStats of this rank's steps; None for --impl torch
+    comm: "CommStats | None"  # this rank's collectives during the steps; None for --impl torch
 
     @property
     def tokens_per_s(self) -> float:
@@ -164,7 +169,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_steps(model, optimizer, sampler, cfg, env, on_step) -> tuple[list[float], float]:
+def _run_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, sampler: BatchSampler,
+    cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None,
+) -> tuple[list[float], float]:
     """The step loop; returns this rank's losses and the seconds it took."""
     tokens_per_step = cfg.batch_size * sampler.seq_len * env.world_size
     losses: list[float] = []

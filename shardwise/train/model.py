@@ -2,10 +2,10 @@
 
 The architecture is nanoGPT's (GPT-2 with pre-norm blocks)::
 
-    tokens ─► tok_embeddings + pos_embeddings ─► layers[0] ─► ... ─► layers[N-1] ─► norm ─► output ─► logits
+    tokens -> tok_embeddings + pos_embeddings -> layers[0] -> ... -> layers[N-1] -> norm -> output -> logits
 
     Block(x):  x = x + attn(ln_1(x))     # causal self-attention, scaled_dot_product_attention
-               x = x + mlp(ln_2(x))      # Linear(dim, mlp_ratio*dim) ─► GELU ─► Linear(mlp_ratio*dim, dim)
+               x = x + mlp(ln_2(x))      # Linear(dim, mlp_ratio*dim) -> GELU -> Linear(mlp_ratio*dim, dim)
 
 Each block is a natural FSDP unit: ``fully_shard(block)`` for every entry of
 ``model.layers``, then ``fully_shard(model)`` for the embeddings, final norm and head.

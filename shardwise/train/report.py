@@ -88,10 +88,9 @@ def _comm_lines(comm: "CommStats | None", steps: int) -> list[str]:
         return ["comm/rank     no collectives recorded"]
     lines = []
     for kind in sorted(comm.counts):
-        lines.append(
-            f"comm/rank     {kind:<14} {comm.counts[kind] / steps:6.1f} calls/step | "
-            f"payload {format_bytes(comm.payload_bytes[kind] / steps)}/step | wire {format_bytes(comm.wire_bytes[kind] / steps)}/step"
-        )
+        payload, wire = format_bytes(comm.payload_bytes[kind] / steps), format_bytes(comm.wire_bytes[kind] / steps)
+        calls = comm.counts[kind] / steps
+        lines.append(f"comm/rank     {kind:<14} {calls:6.1f} calls/step | payload {payload}/step | wire {wire}/step")
     return lines
 
 

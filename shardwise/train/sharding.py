@@ -46,7 +46,8 @@ def _import_shardwise() -> FSDPApi:
     try:
         from shardwise import MixedPrecisionPolicy, fully_shard
     except ImportError as e:
-        raise ImportError(f"shardwise's fully_shard is not importable ({e}); --impl torch runs torch's FSDP2 instead") from e
+        hint = "--impl torch runs torch's FSDP2 instead"
+        raise ImportError(f"shardwise's fully_shard is not importable ({e}); {hint}") from e
 
     return FSDPApi(fully_shard, MixedPrecisionPolicy)
 
@@ -88,5 +89,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, impl: str, mixed_precision: 
     for block in model.layers:
         api.fully_shard(block, mesh=mesh, mp_policy=mp)
     api.fully_shard(model, mesh=mesh, mp_policy=mp)
-    logger.info("sharded %d blocks + root with %s fully_shard (mixed precision %s)", len(model.layers), impl, mixed_precision)
+    n_blocks = len(model.layers)
+    logger.info("sharded %d blocks + root with %s fully_shard (mixed precision %s)", n_blocks, impl, mixed_precision)
     return model

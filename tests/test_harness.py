@@ -1,0 +1,186 @@
+"""The multi-rank harness itself: values from every rank, reuse, failures and hangs.
+
+Each ``_name`` function below runs inside the ranks (module level, so it pickles by
+reference); each ``test_`` function runs in pytest. The tests that break a pool come
+last, so the suite restarts as few pools as possible.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.distributed.device_mesh import init_device_mesh
+
+from shardwise.testing import RankFailure, RankTimeout, multirank, pool_pids, run_on_ranks
+
+# -- functions that run on the ranks -------------------------------------------------
+
+
+def _rank_report(tag):
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "sum": total.item(), "tag": tag}
+
+
+def _pid():
+    return os.getpid()
+
+
+def _scaled(tensor, *, factor):
+    return tensor * factor * (dist.get_rank() + 1)
+
+
+def _draw_and_reseed():
+    draw = torch.rand(3)
+    torch.manual_seed(1234)  # the harness must undo this before the next task
+    torch.set_num_threads(2)
+    return draw, torch.get_num_threads()
+
+
+def _threads():
+    return torch.get_num_threads()
+
+
+def _mesh_2d_all_reduce():
+    groups_at_start = len(distributed_c10d._world.pg_map)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value, group=mesh.get_group("tp"))
+    pair = dist.new_group([0, 1])
+    if dist.get_rank() in (0, 1):
+        dist.barrier(group=pair)
+    return groups_at_start, value.item(), mesh["dp"].size()
+
+
+def _explode_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError(f"boom from rank {dist.get_rank()}")
+    dist.all_reduce(torch.ones(1))  # rank 0 now waits for a peer that is gone
+    return "unreachable"
+
+
+def _rank0_waits_in_all_reduce():
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never enters it
+    return dist.get_rank()
+
+
+def _exit_hard():
+    os._exit(3)
+
+
+# -- tests --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_every_rank_returns_its_value(world_size):
+    reports = run_on_ranks(_rank_report, world_size, "hi", timeout=60)
+
+    assert [r["rank"] for r in reports] == list(range(world_size))
+    assert {r["world_size"] for r in reports} == {world_size}
+    assert {r["sum"] for r in reports} == {world_size * (world_size + 1) / 2}
+    assert {r["tag"] for r in reports} == {"hi"}
+
+
+def test_pool_is_reused_across_calls():
+    first = run_on_ranks(_pid, 2)
+    second = run_on_ranks(_pid, 2)
+
+    assert first == second == pool_pids(2)
+    assert len(set(first)) == 2 and os.getpid() not in first
+
+
+def test_tensors_and_keyword_arguments_round_trip():
+    out = run_on_ranks(_scaled, 2, torch.arange(4.0), factor=2.0)
+
+    torch.testing.assert_close(out[0], torch.arange(4.0) * 2)
+    torch.testing.assert_close(out[1], torch.arange(4.0) * 4)
+
+
+def test_each_task_starts_from_seed_zero_and_one_thread():
+    first, _ = run_on_ranks(_draw_and_reseed, 2)[0]
+    second, threads_inside = run_on_ranks(_draw_and_reseed, 2)[0]
+
+    torch.manual_seed(0)
+    torch.testing.assert_close(first, torch.rand(3))
+    torch.testing.assert_close(second, first)
+    assert threads_inside == 2
+    assert run_on_ranks(_threads, 2) == [1, 1]
+
+
+def test_meshes_and_new_groups_work_and_are_destroyed_after_each_task():
+    first = run_on_ranks(_mesh_2d_all_reduce, 4)
+    second = run_on_ranks(_mesh_2d_all_reduce, 4)
+
+    # tp groups are {0,1} and {2,3}; only the default group outlives a task
+    assert [value for _, value, _ in first] == [1.0, 1.0, 5.0, 5.0]
+    assert [r[0] for r in first] == [r[0] for r in second] == [1, 1, 1, 1]
+    assert {dp_size for _, _, dp_size in second} == {2}
+
+
+@pytest.mark.parametrize("value", [3])
+@multirank(2, timeout=30)
+def test_multirank_decorator_runs_the_body_on_every_rank(value):
+    total = torch.tensor([value])
+    dist.all_reduce(total)
+    assert total.item() == value * dist.get_world_size(), total
+
+
+def test_unpicklable_function_is_a_type_error_and_keeps_the_pool():
+    pids = pool_pids(2)
+
+    with pytest.raises(TypeError, match="module level"):
+        run_on_ranks(lambda: 1, 2)
+    assert run_on_ranks(_pid, 2) == pids
+
+
+# -- tests that break a pool (kept last, ordered so only one pool restarts) ---------
+
+
+def test_hang_is_a_rank_timeout_with_stacks_and_the_next_call_works():
+    before = pool_pids(2)
+    start = time.monotonic()
+
+    with pytest.raises(RankTimeout) as info:
+        run_on_ranks(_rank0_waits_in_all_reduce, 2, timeout=2.0)
+
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert 2.0 <= elapsed < 2.0 + 8.0, f"RankTimeout after {elapsed:.1f} s"  # + stack dump and kill
+    assert "did not finish within 2 s" in message
+    assert "--- rank 0 stacks ---" in message
+    assert "in _rank0_waits_in_all_reduce" in message and "in all_reduce" in message
+    assert info.value.finished == (1,) and set(info.value.stacks) == {0}
+    _assert_gone(before)
+    after = run_on_ranks(_pid, 2)
+    assert set(after).isdisjoint(before)
+
+
+def test_rank_exception_surfaces_with_traceback_and_peer_stacks():
+    before = pool_pids(2)
+
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_explode_on_rank_1, 2, timeout=30)
+
+    message = str(info.value)
+    assert "failed on rank 1 of 2" in message
+    assert "Traceback (most recent call last)" in message
+    assert "in _explode_on_rank_1" in message
+    assert "ValueError: boom from rank 1" in message
+    assert "rank 0 still running" in message and "in all_reduce" in message
+    assert set(info.value.tracebacks) == {1} and set(info.value.stacks) == {0}
+    _assert_gone(before)  # the poisoned pool is killed; the next call starts a fresh one
+
+
+def test_a_rank_process_that_dies_is_a_rank_failure():
+    with pytest.raises(RankFailure, match=r"rank 0 process \(pid \d+\) died with exit code 3"):
+        run_on_ranks(_exit_hard, 1, timeout=30)
+
+
+def _assert_gone(pids):
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
