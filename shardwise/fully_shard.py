@@ -195,6 +195,7 @@ def _managed_tensors(modules: list[nn.Module], ignored: set) -> tuple[list, list
 
     for m in modules:
         visit(m, True)
+    names = {id(sub): name for top in modules for name, sub in top.named_modules()}
     params: list[nn.Parameter] = []
     sites: dict[int, list[ParamSite]] = {}
     buffers = []
@@ -205,7 +206,8 @@ def _managed_tensors(modules: list[nn.Module], ignored: set) -> tuple[list, list
             if id(p) not in sites:
                 params.append(p)
                 sites[id(p)] = []
-            sites[id(p)].append(ParamSite(m, name))
+            prefix = names.get(id(m), "")
+            sites[id(p)].append(ParamSite(m, name, f"{prefix}.{name}" if prefix else name))
         buffers.extend((m, name) for name, b in m._buffers.items() if b is not None)
     return params, [sites[id(p)] for p in params], buffers
 

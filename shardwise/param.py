@@ -47,6 +47,7 @@ class ParamSite:
 
     module: nn.Module
     name: str
+    fqn: str = ""  # relative to the module fully_shard was called on (for messages before lazy init)
 
     def set(self, tensor: torch.Tensor) -> None:
         # Direct dict write: nn.Module.__setattr__ would reject a plain tensor for a parameter slot.
@@ -82,11 +83,11 @@ class ShardedParam:
     def __init__(self, param: nn.Parameter, sites: list[ParamSite], mesh_info: MeshInfo, shard_dim: int):
         if param.dim() == 0:
             raise ValueError(
-                f"fully_shard cannot shard 0-d (scalar) parameter {sites[0].name!r} of "
+                f"fully_shard cannot shard 0-d (scalar) parameter {sites[0].fqn or sites[0].name!r} of "
                 f"{type(sites[0].module).__name__}: reshape it to shape (1,) or pass it in ignored_params"
             )
         self.sites = sites
-        self.fqn = sites[0].name
+        self.fqn = sites[0].fqn or sites[0].name
         self.mesh_info = mesh_info
         self.requires_grad = param.requires_grad
         self.orig_size = param.size()

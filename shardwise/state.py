@@ -154,9 +154,10 @@ class ModuleState(_State):
         for state in states[1:]:
             if state.ctx is not None:
                 names = {id(m): name for name, m in self.modules[0].named_modules()}
-                child = names.get(id(state.modules[0]), type(state.modules[0]).__name__)
+                child = state.modules[0]
                 raise RuntimeError(
-                    f"shardwise: submodule {child!r} already ran forward as its own root before its parent "
+                    f"shardwise: submodule {names.get(id(child), '?')!r} ({type(child).__name__}) already ran "
+                    "forward as its own root before its parent "
                     f"{type(self.modules[0]).__name__} (the root) ran; run forward through the root module first"
                 )
         ctx = IterationContext(self, states)

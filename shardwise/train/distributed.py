@@ -68,17 +68,21 @@ def cpu_threads_per_rank(local_world_size: int) -> int:
     return max(1, _available_cpus() // max(1, local_world_size))
 
 
-def _pick_device(device: str, local_rank: int) -> torch.device:
-    """``auto`` means this rank's GPU when there is one for it, else the CPU."""
+def _pick_device(device: str, local_rank: int, local_world_size: int) -> torch.device:
+    """``auto`` means one GPU per local rank when there are enough for all of them, else the CPU.
+
+    The decision depends only on the machine, never on the rank, so all ranks agree on
+    the backend (a mix of NCCL and gloo ranks would hang in the first collective).
+    """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
-    if device == "cuda" and not has_gpu:
+    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+    if device == "cuda" and not enough_gpus:
         raise RuntimeError(
-            f"--device cuda but local rank {local_rank} has no GPU "
+            f"--device cuda needs a GPU for each of the {local_world_size} local ranks "
             f"(cuda available={torch.cuda.is_available()}, count={torch.cuda.device_count()})"
         )
-    if device == "cpu" or not has_gpu:
+    if device == "cpu" or not enough_gpus:
         return torch.device("cpu")
     return torch.device("cuda", local_rank)
 
@@ -94,7 +98,7 @@ def setup(device: str = "auto", num_threads: int | None = None) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     torch.set_num_threads(num_threads or cpu_threads_per_rank(local_world_size))
-    dev = _pick_device(device, local_rank)
+    dev = _pick_device(device, local_rank, local_world_size)
     owns = not dist.is_initialized()
     if owns:
         if not is_under_launcher():
@@ -112,14 +116,20 @@ def setup(device: str = "auto", num_threads: int | None = None) -> DistEnv:
     return env
 
 
-def teardown(env: DistEnv) -> None:
+def teardown(env: DistEnv, wait_for_peers: bool = True) -> None:
     """Destroy the default process group if :func:`setup` created it; idempotent.
 
-    The barrier first matters: without it a rank that finishes early (one with nothing to
-    print) tears down its gloo connections and exits while rank 0 is still writing the
-    summary, and rank 0's own teardown then intermittently dies with ``terminate called
-    without an active exception`` (SIGABRT, 1 run in ~5 on torch 2.13 CPU; 0 in 40 with it).
+    Args:
+        env: what :func:`setup` returned.
+        wait_for_peers: barrier first (the normal exit); pass ``False`` when leaving on an
+            error, since the other ranks may never reach the barrier.
+
+    The barrier matters: without it a rank that finishes early (one with nothing to print)
+    closes its gloo connections and exits while rank 0 is still writing the summary, and
+    rank 0's own teardown then intermittently dies with ``terminate called without an
+    active exception`` (SIGABRT; 1 run in ~5 on torch 2.13 CPU, 0 in 40 with the barrier).
     """
     if env.owns_process_group and dist.is_initialized():
-        dist.barrier()
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()

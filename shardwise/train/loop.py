@@ -220,18 +220,25 @@ def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -
     )
 
 
+def _train_and_report(cfg: TrainConfig, env: DistEnv) -> TrainResult:
+    """:func:`train`, with rank 0 printing the header, the progress bar and the summary."""
+    if not env.is_main:
+        return train(cfg, env)
+    report.print_header(cfg, env.world_size, str(env.device), count_params(cfg.model_config()))
+    bar = report.ProgressBar(cfg.steps)
+    result = train(cfg, env, on_step=bar.update)
+    bar.close()
+    report.print_summary(result)
+    return result
+
+
 def run(cfg: TrainConfig) -> TrainResult:
     """The whole run on this rank: set up the process group, train, report on rank 0, tear down."""
     env = setup(cfg.device)
     try:
-        bar = None
-        if env.is_main:
-            report.print_header(cfg, env.world_size, str(env.device), count_params(cfg.model_config()))
-            bar = report.ProgressBar(cfg.steps)
-        result = train(cfg, env, on_step=bar.update if bar is not None else None)
-        if bar is not None:
-            bar.close()
-            report.print_summary(result)
-        return result
-    finally:
-        teardown(env)
+        result = _train_and_report(cfg, env)
+    except BaseException:
+        teardown(env, wait_for_peers=False)  # the peers may never get here; torchrun stops them
+        raise
+    teardown(env)
+    return result

@@ -86,7 +86,7 @@ def _comm_lines(comm: "CommStats | None", steps: int) -> list[str]:
         return ["comm/rank     n/a (only --impl shardwise tallies its collectives)"]
     if not comm.counts:
         return ["comm/rank     no collectives recorded"]
-    lines = []
+    lines = [f"comm/rank     {format_bytes(comm.total_wire_bytes)} sent in all over {steps} steps (ring model)"]
     for kind in sorted(comm.counts):
         payload, wire = format_bytes(comm.payload_bytes[kind] / steps), format_bytes(comm.wire_bytes[kind] / steps)
         calls = comm.counts[kind] / steps
