@@ -10,6 +10,7 @@ the rest of the training script::
     fully_shard(model)
 """
 
+from shardwise.clip import clip_grad_norm_
 from shardwise.fully_shard import fully_shard
 from shardwise.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from shardwise.replicate import ReplicateModule, replicate
@@ -29,4 +30,5 @@ __all__ = [
     "replicate",
     "ReplicateModule",
     "trace",
+    "clip_grad_norm_",
 ]
