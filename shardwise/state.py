@@ -186,6 +186,8 @@ class ModuleState(_State):
             args, kwargs = tree_map(self._to_device, (args, kwargs))
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floating(self.mp_policy.param_dtype, (args, kwargs))
+        if self._recomputing():
+            return args, kwargs
         if self.group is not None:
             self.group.training_state = TrainingState.FORWARD
             self.group.unshard()
@@ -209,7 +211,14 @@ class ModuleState(_State):
             flat[i] = out
         return spec.unflatten(flat)
 
+    def _recomputing(self) -> bool:
+        """Activation checkpointing re-runs forward inside backward, after our pre-backward
+        gathered the params: no unshard, reshard, hooks or order bookkeeping then."""
+        return self.group is not None and self.group.training_state == TrainingState.PRE_BACKWARD
+
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        if self._recomputing():
+            return _cast_floating(self.mp_policy.output_dtype, output) if self.mp_policy.output_dtype else output
         if self.group is not None and self._last_member_ran(module):
             self.group.post_forward_reshard()
             self.group.training_state = TrainingState.IDLE
