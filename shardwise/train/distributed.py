@@ -99,13 +99,13 @@ def setup(device: str = "auto", num_threads: int | None = None) -> DistEnv:
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     torch.set_num_threads(num_threads or cpu_threads_per_rank(local_world_size))
     dev = _pick_device(device, local_rank, local_world_size)
+    on_gpu = dev.type == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(dev)
     owns = not dist.is_initialized()
     if owns:
         if not is_under_launcher():
             raise RuntimeError("no process group: run under torchrun (or `shardwise train`, which launches it)")
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        on_gpu = dev.type == "cuda"
         dist.init_process_group(backend="nccl" if on_gpu else "gloo", device_id=dev if on_gpu else None)
     mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
     env = DistEnv(dist.get_rank(), dist.get_world_size(), dev, mesh, owns)
