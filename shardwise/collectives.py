@@ -92,9 +92,6 @@ class _SumOnWait:
         return True
 
 
-_ALL_TO_ALL_REDUCE: dict[int, bool] = {}
-
-
 def use_all_to_all_reduce(group: dist.ProcessGroup) -> bool:
     """Whether to reduce-scatter as all-to-all + local sum (gloo, unless told otherwise).
 
@@ -105,11 +102,8 @@ def use_all_to_all_reduce(group: dist.ProcessGroup) -> bool:
     ranks the summation order may differ from gloo's ring. Set
     ``SHARDWISE_GLOO_REDUCE_SCATTER=native`` to use gloo's own reduce-scatter.
     """
-    key = id(group)
-    if key not in _ALL_TO_ALL_REDUCE:
-        native = os.environ.get("SHARDWISE_GLOO_REDUCE_SCATTER", "all_to_all") == "native"
-        _ALL_TO_ALL_REDUCE[key] = dist.get_backend(group) == "gloo" and not native
-    return _ALL_TO_ALL_REDUCE[key]
+    native = os.environ.get("SHARDWISE_GLOO_REDUCE_SCATTER", "all_to_all") == "native"
+    return not native and dist.get_backend(group) == "gloo"
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool):

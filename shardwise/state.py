@@ -31,7 +31,7 @@ from shardwise.policies import MixedPrecisionPolicy
 
 logger = logging.getLogger(__name__)
 
-STATE_ATTR = "_shardwise_state"
+STATE_ATTR = "_shardwise_module_state"
 
 
 def get_state(module: nn.Module) -> "ModuleState | None":

@@ -150,11 +150,12 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        rule = _RULES.get(getattr(func, "_overloadpacket", None))  # higher-order ops have none
+        if rule is None:
+            return func(*args, **kwargs)  # not a collective: run it (FakeTensor & co. included)
         if any(_is_subclass_with_dispatch(t) for t in types):
             return NotImplemented  # let DTensor & co. desugar; we count what they issue
-        rule = _RULES.get(getattr(func, "_overloadpacket", None))  # higher-order ops have none
-        if rule is not None:
-            self.events.append(_event(func, rule, args, kwargs))
+        self.events.append(_event(func, rule, args, kwargs))
         return func(*args, **kwargs)
 
     @property
