@@ -154,15 +154,14 @@ class ReducePlan(NamedTuple):
     post_divide: float
 
 
-def plan_reduction(dtype: torch.dtype, world: int, divide_factor: float | None, force_sum: bool) -> ReducePlan:
+def plan_reduction(dtype: torch.dtype, world: int, divide_factor: float | None) -> ReducePlan:
     """How to turn a SUM over ``world`` ranks into the gradient the user expects.
 
-    Default: the mean (divide by ``world``). ``divide_factor``: divide by it instead.
-    ``force_sum``: no division. fp16 splits the divisor into a power of two before the sum
-    and the rest after, so the partial sums stay in range.
+    Default: the mean (divide by ``world``). ``divide_factor``: divide by it instead. fp16
+    splits the divisor into a power of two before the sum and the rest after, so the
+    partial sums stay in range. Collectives are always SUMs (gloo has no AVG/PREMUL_SUM),
+    which is also what ``set_force_sum_reduction_for_comms`` asks for.
     """
-    if force_sum:
-        return ReducePlan(1.0, 1.0)
     factor = float(world if divide_factor is None else divide_factor)
     if dtype == torch.float16 and factor > 1:
         pre = float(2 ** math.ceil(math.log2(math.sqrt(factor))))

@@ -162,6 +162,11 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return self.sharded_state == ShardedState.UNSHARDED
 
+    @property
+    def gathered_or_gathering(self) -> bool:
+        """Unsharded, or an all-gather (e.g. a prefetch) is in flight."""
+        return self.is_unsharded or self._pending_gather is not None
+
     # ---- unshard ----------------------------------------------------------------------
 
     @property

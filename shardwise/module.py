@@ -168,7 +168,7 @@ class FSDPModule:
         """
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}")
-        for group in self._groups_of(recurse=True):
+        for group in self._groups():
             group.reducer.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -181,9 +181,10 @@ class FSDPModule:
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Use only SUM collectives, scaling separately (shardwise always does on gloo)."""
+        """Use only SUM collectives, scaling separately; gradients stay the mean (or / the divide
+        factor). shardwise's collectives are always SUMs, so numerics never change."""
         _check_bool("enable", enable)
-        for group in self._groups_of(recurse=True):
+        for group in self._groups():
             group.reducer.force_sum = enable
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:

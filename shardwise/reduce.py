@@ -47,7 +47,7 @@ class GradReducer:
     requires_gradient_sync: bool
     requires_all_reduce: bool  # HSDP: all-reduce over the replicate dim in this backward
     divide_factor: float | None  # None: the data-parallel world size
-    force_sum: bool
+    force_sum: bool  # collectives are SUMs already; recorded for torch compatibility
     reduce_scatter_comm: collectives.ReduceScatter
     reduce_scatter_group: dist.ProcessGroup | None  # None: the shard group
     all_reduce_hook: Callable[[torch.Tensor], None] | None
@@ -135,7 +135,7 @@ class GradReducer:
         chunked = [p.grad_as_chunks(g.to(dtype)) for p, g in zip(params, grads)]
         packed = collectives.pack_for_reduce(chunked, n)  # (N, Pg)
         world = n * mesh_info.replicate_size
-        plan = collectives.plan_reduction(dtype, world, self.divide_factor, self.force_sum)
+        plan = collectives.plan_reduction(dtype, world, self.divide_factor)
         if plan.pre_divide != 1.0:
             packed.div_(plan.pre_divide)
         tracing.emit("reduce", group.fqn, group.training_state.value)

@@ -48,6 +48,7 @@ class IterationContext:
     reducing: ParamGroup | None  # the group whose reduction was issued last
 
     is_last_backward: bool  # False: leave reductions in flight at the end of this backward
+    iter_root: "ModuleState | None"  # the first state whose forward ran this iteration
 
     def __init__(self, root: "ModuleState", states: list["ModuleState"]):
         self.root = root
@@ -56,17 +57,29 @@ class IterationContext:
         self.final_callback_queued = False
         self.reducing = None
         self.is_last_backward = True
+        self.iter_root = None
 
-    def queue_final_callback(self) -> None:
-        if self.final_callback_queued:
+    def queue_final_callback(self, state: "ModuleState") -> None:
+        """Queue the end-of-backward callback, from the root or the iteration's first module.
+
+        A standalone call of a non-root module after the root's forward (a chunked loss head)
+        backpropagates without ending the iteration: its reduction waits for the root's.
+        """
+        if self.final_callback_queued or not (state.is_root or state is self.iter_root):
             return
         self.final_callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
     def _final_callback(self) -> None:
-        """End of backward: reduce leftovers, wait for every reduction, reshard, reset."""
+        """End of the iteration's backward: reduce what no trigger reached (the root, whose
+        inputs need no grad; modules kept unsharded or prefetched whose outputs never reached
+        the loss),
+        wait for every reduction, reshard, go IDLE."""
         for state in self.states:
-            if state.group is not None and state.group.training_state != TrainingState.POST_BACKWARD:
+            group = state.group
+            if group is None or group.training_state == TrainingState.POST_BACKWARD:
+                continue
+            if group.gathered_or_gathering or group.training_state == TrainingState.PRE_BACKWARD:
                 state.post_backward()
         for state in self.states:
             state.finish_iteration(wait_for_reductions=self.is_last_backward)
@@ -76,12 +89,15 @@ class IterationContext:
         self.post_forward_order.clear()
         self.reducing = None
         self.final_callback_queued = False
+        self.iter_root = None
+        self.iter_root = None
 
     def reset(self) -> None:
         """Recover from an exception mid-iteration: drop in-flight work, reshard, clear."""
         for state in self.states:
             state.discard_iteration()
         self._clear()
+        self.is_last_backward = True
 
 
 class _PostBackwardTrigger(torch.autograd.Function):
@@ -188,6 +204,9 @@ class ModuleState(_State):
             args, kwargs = _cast_floating(self.mp_policy.param_dtype, (args, kwargs))
         if self._recomputing():
             return args, kwargs
+        # A grouped call's later members join the pass the first member opened: one
+        # post-backward trigger (one reduction) per pass.
+        entering_pass = self.group is None or self.group.training_state != TrainingState.FORWARD
         if self.group is not None:
             self.group.training_state = TrainingState.FORWARD
             self.group.unshard()
@@ -195,7 +214,10 @@ class ModuleState(_State):
             for target in self.forward_prefetch:
                 target.prefetch()
         if torch.is_grad_enabled():
-            args, kwargs = self._wrap_post_backward_trigger(args, kwargs)
+            if self.ctx.iter_root is None:
+                self.ctx.iter_root = self
+            if entering_pass:
+                args, kwargs = self._wrap_post_backward_trigger(args, kwargs)
         return args, kwargs
 
     def _to_device(self, x: Any) -> Any:
@@ -228,9 +250,23 @@ class ModuleState(_State):
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        if self.is_root:
+            self._complete_partial_groups()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(self.mp_policy.output_dtype, output)
         return output
+
+    def _complete_partial_groups(self) -> None:
+        """At the root's post-forward, finish grouped states whose forward ran only some
+        members (a chunked-loss head): reshard per policy; later standalone member calls
+        then keep the params gathered until backward."""
+        for state in self.ctx.states:
+            group = state.group
+            if state is self or group is None or len(state._members_to_run) in (0, len(state.modules)):
+                continue
+            group.post_forward_reshard()
+            group.training_state = TrainingState.IDLE
+            state._members_to_run = {id(m) for m in state.modules}
 
     def _last_member_ran(self, module: nn.Module) -> bool:
         """Grouped calls keep the params gathered until every member ran forward once."""
@@ -243,7 +279,7 @@ class ModuleState(_State):
     # ---- backward ---------------------------------------------------------------------
 
     def _pre_backward(self, *unused: Any) -> None:
-        self.ctx.queue_final_callback()
+        self.ctx.queue_final_callback(self)
         if self.group is None:
             return
         self.group.training_state = TrainingState.PRE_BACKWARD
@@ -294,9 +330,10 @@ class ModuleState(_State):
             return
         if wait_for_reductions:
             group.finish_reduce()
-        if group.reshard_after_backward:
+        if group.reshard_after_backward and group.training_state == TrainingState.POST_BACKWARD:
             group.reshard()
         group.training_state = TrainingState.IDLE
+        self._members_to_run = {id(m) for m in self.modules}
 
     def discard_iteration(self) -> None:
         self._post_forward_indices.clear()

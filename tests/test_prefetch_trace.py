@@ -1,0 +1,260 @@
+"""Prefetching and async unshard, observed through ``shardwise.trace()``.
+
+The model is a root with parameters of its own (``inp``, ``out``: reshard_after_forward
+left at its default, so the root keeps them until after backward) around ``layers.0..2``.
+Each case trains shardwise, torch's FSDP2 with the same prefetch settings, and an
+all-reduced replica side by side (:class:`_control_helpers.Trio`, parity every step)
+and requires the same collectives per phase as torch; the trace of shardwise's step must
+show the schedule the settings ask for.
+
+Trace events are ``(kind, fqn)`` pairs; the root's FQN is ``""``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
+
+import shardwise
+import shardwise.tracing
+from _control_helpers import Stack, Trio, batch, fsdp_modules, make_trio, mse, rank_gen, same_phases, shard_stack
+from shardwise.testing import run_on_ranks
+
+TIMEOUT = 90
+N = 3  # blocks
+STEPS = 2
+L0, L1, L2 = "layers.0", "layers.1", "layers.2"
+KINDS = ("unshard", "wait_unshard", "reshard", "post_backward", "reduce", "reduce_done")
+
+
+def U(fqn):
+    return ("unshard", fqn)
+
+
+def R(fqn):
+    return ("reshard", fqn)
+
+
+FORWARD = {  # expected unshard/reshard order in forward
+    "default": [U(""), U(L0), R(L0), U(L1), R(L1), U(L2), R(L2)],
+    "forward1": [U(""), U(L0), U(L1), R(L0), U(L2), R(L1), R(L2)],
+    "forward2": [U(""), U(L0), U(L1), U(L2), R(L0), R(L1), R(L2)],
+    "backward2": [U(""), U(L0), R(L0), U(L1), R(L1), U(L2), R(L2)],
+}
+
+
+def _configure(mode: str, model: nn.Module) -> None:
+    layers = model.layers
+    if mode == "forward1":
+        layers[0].set_modules_to_forward_prefetch([layers[1]])
+        layers[1].set_modules_to_forward_prefetch([layers[2]])
+    elif mode == "forward2":
+        layers[0].set_modules_to_forward_prefetch([layers[1], layers[2]])
+    elif mode == "backward2":
+        layers[2].set_modules_to_backward_prefetch([layers[1], layers[0]])
+    elif mode == "wrong":  # prefetch modules that already ran / run later: a scheduling mistake only
+        layers[2].set_modules_to_forward_prefetch([layers[0], layers[1]])
+        layers[1].set_modules_to_forward_prefetch([layers[0]])
+        layers[0].set_modules_to_backward_prefetch([layers[2], layers[1]])
+        layers[1].set_modules_to_backward_prefetch([layers[2]])
+        model.set_modules_to_backward_prefetch([layers[0]])
+    elif mode == "embedding":
+        model.emb.set_unshard_in_backward(False)
+
+
+def _index(events, event, where):
+    assert event in events, f"{where}: {event} missing from {events}"
+    return events.index(event)
+
+
+def _before(events, first, second, where):
+    assert _index(events, first, where) < _index(events, second, where), f"{where}: {first} not before {second} in {events}"
+
+
+def _check_backward(mode: str, backward: list, where: str) -> None:
+    unshards = [e for e in backward if e[0] == "unshard"]
+    gathered = [L0, L1, L2] + (["emb"] if mode == "embedding" else [])
+    skip = {"emb"} if mode == "embedding" else set()
+    if mode != "wrong":
+        expected = sorted(U(f) for f in gathered if f not in skip)
+        assert sorted(unshards) == expected, f"{where}: backward unshards {unshards}, expected {expected}"
+    assert U("") not in backward, f"{where}: the root kept its params, yet backward unsharded it"
+    post = [f for k, f in backward if k == "post_backward"]
+    assert post[:3] == [L2, L1, L0], f"{where}: post_backward order {post}"
+    assert sorted(post) == sorted(["", L0, L1, L2] + (["emb"] if mode == "embedding" else [])), where
+    if mode in ("default", "forward1", "forward2", "embedding"):  # implicit: one module ahead
+        _before(backward, U(L2), U(L1), where)
+        _before(backward, U(L1), ("post_backward", L2), where)
+        _before(backward, ("post_backward", L2), U(L0), where)
+        _before(backward, U(L0), ("post_backward", L1), where)
+    if mode == "backward2":
+        _before(backward, U(L2), U(L1), where)
+        _before(backward, U(L1), U(L0), where)
+        _before(backward, U(L0), ("post_backward", L2), where)
+    for fqn in set(post):
+        assert backward.count(("reduce", fqn)) == backward.count(("reduce_done", fqn)) == 1, f"{where}: {fqn} reductions"
+
+
+def _schedule(mode: str, trace_dir: str) -> None:
+    rank = dist.get_rank()
+    embedding = mode == "embedding"
+    ours, theirs, ref = make_trio(lambda: Stack(N, embedding=embedding), shard_stack)
+    for model in (ours, theirs):
+        _configure(mode, model)
+    trio = Trio(ours, theirs, ref)
+    gen = rank_gen()
+    traces, data = [], {}
+
+    def fn(model, rec):
+        xy = data["xy"]
+        if rec.name != "ours":
+            loss = mse(model, xy)
+            rec.mark("forward")
+            loss.backward()
+            rec.mark("backward")
+            return loss
+        assert shardwise.tracing._ACTIVE is None, "a trace is active outside any trace() context"
+        with shardwise.trace() as t:
+            loss = mse(model, xy)
+            rec.mark("forward")
+            n_forward = len(t.events)
+            loss.backward()
+            rec.mark("backward")
+        assert shardwise.tracing._ACTIVE is None, "trace() did not deactivate on exit"
+        traces.append((t, n_forward))
+        return loss
+
+    for step in range(STEPS):
+        data["xy"] = batch(gen, tokens=embedding)
+        res = trio.run(fn)
+        where = f"{mode}, step {step}, rank {rank}"
+        phases = same_phases(res, where)
+        if mode != "wrong":
+            # backward gathers the blocks only: the root kept its params, emb needs none
+            assert phases["forward"] == {"all_gather": N + 1 + embedding}, f"{where}: {phases}"
+            assert phases["backward"] == {"all_gather": N, "reduce_scatter": N + 1 + embedding}, f"{where}: {phases}"
+        t, n_forward = traces[-1]
+        kinds = {e.kind for e in t.events}
+        assert kinds == set(KINDS), f"{where}: trace kinds {kinds}"
+        forward = t.of("unshard", "reshard")[: sum(1 for e in t.events[:n_forward] if e.kind in ("unshard", "reshard"))]
+        if mode in FORWARD:
+            assert forward == FORWARD[mode], f"{where}: forward schedule {forward}, expected {FORWARD[mode]}"
+        backward = [(e.kind, e.fqn) for e in t.events[n_forward:]]
+        _check_backward(mode, backward, where)
+
+    # Nothing is recorded outside the context, and a finished trace stays as it was.
+    t, _ = traces[-1]
+    before = len(t.events)
+    mse(ours, batch(gen, tokens=embedding)).backward()
+    assert len(t.events) == before and shardwise.tracing._ACTIVE is None
+    with shardwise.trace() as outer:
+        with shardwise.trace() as inner:
+            ours(batch(gen, tokens=embedding)[0])
+        assert shardwise.tracing._ACTIVE is outer and inner.events and not outer.events
+    assert shardwise.tracing._ACTIVE is None
+    ours.zero_grad()
+
+    path = os.path.join(trace_dir, f"{mode}-rank{rank}.json")
+    t.to_chrome_trace(path)
+    with open(path) as f:
+        doc = json.load(f)
+    records = doc["traceEvents"]
+    assert len(records) == len(t.events), f"{len(records)} records for {len(t.events)} events"
+    assert [r["name"] for r in records] == [f"{e.kind} ({e.fqn})" for e in t.events]
+    assert all(r["pid"] == rank and r["ph"] == "i" for r in records)
+    assert [r["ts"] for r in records] == sorted(r["ts"] for r in records)
+
+
+@pytest.mark.parametrize("mode", ["default", "forward1", "forward2", "backward2", "wrong", "embedding"])
+def test_prefetch_schedule(mode, tmp_path):
+    run_on_ranks(_schedule, 2, mode, str(tmp_path), timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _prefetch_lists_validated() -> None:
+    ours, theirs, _ = make_trio(Stack, shard_stack)
+    plain = nn.Linear(2, 2)
+    for model in (ours, theirs):  # torch raises the same type
+        for setter in (model.layers[0].set_modules_to_forward_prefetch, model.layers[0].set_modules_to_backward_prefetch):
+            for bad in ([plain], [model.layers[1], plain], [model.layers[1].lin]):
+                with pytest.raises(ValueError):
+                    setter(bad)
+    # and the setters accept FSDP modules (an empty list clears them)
+    ours.layers[0].set_modules_to_forward_prefetch([ours.layers[1]])
+    ours.layers[0].set_modules_to_forward_prefetch([])
+    ours.layers[0].set_modules_to_backward_prefetch([])
+
+
+def test_prefetch_lists_must_be_fsdp_modules():
+    run_on_ranks(_prefetch_lists_validated, 2, timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------- async unshard
+
+
+def _async_unshard() -> None:
+    rank = dist.get_rank()
+    ours, theirs, ref = make_trio(Stack, shard_stack)
+    trio = Trio(ours, theirs, ref)
+    gen = rank_gen()
+    handle_types = {"ours": shardwise.UnshardHandle, "torch": TorchUnshardHandle}
+
+    def step(pattern):
+        xy = batch(gen)
+        traces = []
+
+        def fn(model, rec):
+            sharded = rec.sharded
+            with shardwise.trace() as t:
+                if pattern == "one layer, unwaited" and sharded:
+                    handle = model.layers[1].unshard(async_op=True)
+                    assert isinstance(handle, handle_types[rec.name]), f"{rec.name}: unshard returned {handle!r}"
+                elif pattern == "waited twice" and sharded:
+                    handle = model.layers[0].unshard(async_op=True)
+                    handle.wait()
+                    handle.wait()
+                    assert model.layers[0].unshard() is None  # already unsharded: sync, returns None
+                elif pattern == "all up front" and sharded:
+                    handles = [m.unshard(async_op=True) for m in fsdp_modules(model)]
+                rec.mark("unshard")
+                loss = mse(model, xy)
+                rec.mark("forward")
+                if pattern == "all up front" and sharded:
+                    for h in handles:  # already waited by forward: harmless
+                        h.wait()
+                loss.backward()
+                rec.mark("backward")
+            if rec.name == "ours":
+                traces.append(t.of("unshard", "wait_unshard"))
+            return loss
+
+        res = trio.run(fn)
+        where = f"{pattern}, rank {rank}"
+        phases = same_phases(res, where)
+        total_forward = phases["unshard"].get("all_gather", 0) + phases["forward"].get("all_gather", 0)
+        assert total_forward == N + 1, f"{where}: {phases}"
+        assert phases["backward"] == {"all_gather": N, "reduce_scatter": N + 1}, f"{where}: {phases}"
+        return traces[0], phases
+
+    step("plain")  # first: lazy init names the groups (a trace before it shows no FQNs)
+    events, phases = step("one layer, unwaited")
+    assert phases["unshard"] == {"all_gather": 1}, phases
+    assert events[0] == U(L1) and events.count(U(L1)) == 2, f"layers.1 gathered once per forward+backward: {events}"
+    assert events.index(("wait_unshard", L1)) > events.index(("wait_unshard", L0)), f"forward waited late: {events}"
+    events, phases = step("waited twice")
+    assert events[:2] == [U(L0), ("wait_unshard", L0)] and events.count(U(L0)) == 2, events
+    events, phases = step("all up front")
+    assert phases["unshard"] == {"all_gather": N + 1} and phases["forward"] == {}, phases
+    assert events[: N + 1] == [U(""), U(L0), U(L1), U(L2)], events
+    assert [e for e in events[N + 1 :] if e[0] == "unshard"] == [U(L2), U(L1), U(L0)], f"forward gathered again: {events}"
+
+
+def test_async_unshard():
+    run_on_ranks(_async_unshard, 2, timeout=TIMEOUT)
