@@ -70,7 +70,7 @@ def fully_shard(
         The same module (or list), now an instance of :class:`FSDPModule`.
     """
     modules = _check_modules(module, "fully_shard")
-    check_policies(mp_policy, offload_policy)
+    mp_policy, offload_policy = check_policies(mp_policy, offload_policy)
     mesh_info = _mesh_info(mesh, dp_mesh_dims, reshard_after_forward)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh_info)
     state = build_state(

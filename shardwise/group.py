@@ -214,9 +214,10 @@ class ParamGroup:
         if self.is_unsharded or self._pending_gather is not None:
             return
         if self._flat_shard.is_meta:
+            names = [p.fqn for p in self.params]
             raise RuntimeError(
-                f"cannot unshard {self.fqn or 'a module'}: its parameters are on the meta device; call "
-                "module.to_empty(device=...) and initialise them first"
+                f"cannot unshard {self.fqn or 'the root module'}: parameters {names} are on the meta device; "
+                "call module.to_empty(device=...) and initialise them first"
             )
         self._wait_post_optim_event()
         self._ensure_unsharded_buffer()

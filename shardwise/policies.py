@@ -115,14 +115,31 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-def check_policies(mp_policy: object, offload_policy: object) -> None:
-    """Raise a TypeError naming the argument when a policy object has the wrong type."""
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"mp_policy must be a shardwise.MixedPrecisionPolicy, got {type(mp_policy).__name__}: {mp_policy!r}"
-        )
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            "offload_policy must be a shardwise.OffloadPolicy or CPUOffloadPolicy, "
-            f"got {type(offload_policy).__name__}: {offload_policy!r}"
-        )
+def check_policies(mp_policy: object, offload_policy: object) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    """The policies as shardwise objects; torch's own policy objects are converted field by
+    field, anything else is a TypeError naming the argument."""
+    return _as_mp_policy(mp_policy), _as_offload_policy(offload_policy)
+
+
+def _as_mp_policy(policy: object) -> MixedPrecisionPolicy:
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    if type(policy).__name__ == "MixedPrecisionPolicy" and all(hasattr(policy, f) for f in fields):
+        return MixedPrecisionPolicy(**{f: getattr(policy, f) for f in fields})
+    raise TypeError(
+        f"mp_policy must be a shardwise.MixedPrecisionPolicy, got {type(policy).__name__}: {policy!r}"
+    )
+
+
+def _as_offload_policy(policy: object) -> OffloadPolicy:
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    name = type(policy).__name__
+    if name == "CPUOffloadPolicy" and hasattr(policy, "pin_memory"):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if name == "OffloadPolicy":
+        return OffloadPolicy()
+    raise TypeError(
+        f"offload_policy must be a shardwise.OffloadPolicy or CPUOffloadPolicy, got {name}: {policy!r}"
+    )

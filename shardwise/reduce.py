@@ -100,10 +100,11 @@ class GradReducer:
             dtype = self._reduce_dtype(unsharded.grad.dtype)
             if dtype == unsharded.grad.dtype and p.unsharded_accumulated_grad is None:
                 continue  # autograd keeps accumulating into .grad itself
-            grad = p.local_grad(unsharded.grad).to(dtype)
+            grad = p.local_grad(unsharded.grad)
             unsharded.grad = None
             acc = p.unsharded_accumulated_grad
-            p.unsharded_accumulated_grad = grad if acc is None else acc.add_(grad)
+            # Add in the gradient's precision and round once into reduce_dtype.
+            p.unsharded_accumulated_grad = grad.to(dtype) if acc is None else acc.add_(grad)
 
     def _take_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
         """Detach every unsharded grad (plus accumulated ones) from the unsharded params."""
@@ -122,7 +123,7 @@ class GradReducer:
             grad = None if grad is None else p.local_grad(grad)
             if acc is not None:
                 p.unsharded_accumulated_grad = None
-                grad = acc if grad is None else acc.add_(grad.to(acc.dtype))
+                grad = acc if grad is None else acc.add_(grad)
             params.append(p)
             grads.append(grad)
         return params, grads

@@ -49,7 +49,7 @@ def replicate(
         The same module (or list), now an instance of :class:`ReplicateModule`.
     """
     modules = _check_replicate_modules(module)
-    check_policies(mp_policy, offload_policy)
+    mp_policy, offload_policy = check_policies(mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh("replicate")
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError(
