@@ -121,12 +121,12 @@ class PostForwardGroup:
     rank: int  # our index in the block
 
 
-_POST_FORWARD_GROUPS: dict[tuple[int, int], PostForwardGroup] = {}
+_POST_FORWARD_GROUPS: dict[tuple[DeviceMesh, int], PostForwardGroup] = {}
 
 
 def post_forward_group(mesh_info: MeshInfo, k: int) -> PostForwardGroup:
     """The blocks of ``k`` ranks, created once per (mesh, k) (every rank of the mesh must call this)."""
-    key = (id(mesh_info.mesh), k)
+    key = (mesh_info.mesh, k)
     if key not in _POST_FORWARD_GROUPS:
         _POST_FORWARD_GROUPS[key] = _new_post_forward_group(mesh_info, k)
     return _POST_FORWARD_GROUPS[key]

@@ -275,7 +275,14 @@ def spmd_layout(mesh_info: MeshInfo, param_spec: DTensorSpec | None, shard_dim: 
         return dp_mesh, _dp_placements(mesh_info, Shard(shard_dim))
     names = param_spec.mesh.mesh_dim_names or ()
     if set(dp_names) & set(names):  # params on the full SPMD mesh
-        tp = [(n, size, pl) for n, size, pl in zip(names, param_spec.mesh.shape, param_spec.placements) if n not in dp_names]
+        # Only TP dims after the dp shard dim split the tensor before the dp shard does.
+        shard_name = dp_names[mesh_info.shard_mesh_dim] if mesh_info.shard_mesh_dim is not None else None
+        after = names[names.index(shard_name) + 1 :] if shard_name in names else ()
+        tp = [
+            (n, size, pl)
+            for n, size, pl in zip(names, param_spec.mesh.shape, param_spec.placements)
+            if n in after and n not in dp_names
+        ]
         for n, pl in zip(names, param_spec.placements):
             if n in dp_names and not isinstance(pl, Replicate):
                 raise ValueError(

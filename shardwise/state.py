@@ -203,6 +203,9 @@ class ModuleState(_State):
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floating(self.mp_policy.param_dtype, (args, kwargs))
         if self._recomputing():
+            if self.group is not None:  # nested modules were resharded after forward
+                self.group.unshard()
+                self.group.wait_for_unshard()
             return args, kwargs
         # A grouped call's later members join the pass the first member opened: one
         # post-backward trigger (one reduction) per pass.
@@ -234,9 +237,10 @@ class ModuleState(_State):
         return spec.unflatten(flat)
 
     def _recomputing(self) -> bool:
-        """Activation checkpointing re-runs forward inside backward, after our pre-backward
-        gathered the params: no unshard, reshard, hooks or order bookkeeping then."""
-        return self.group is not None and self.group.training_state == TrainingState.PRE_BACKWARD
+        """Activation checkpointing re-runs forward inside backward. The params are gathered
+        (by our pre-backward, or here for modules nested in the checkpointed region) and stay
+        so until our post-backward: no reshard, hooks or order bookkeeping then."""
+        return torch._C._current_graph_task_id() != -1
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         if self._recomputing():

@@ -204,6 +204,21 @@ def _destroy_groups_created_since(groups_before: set) -> None:
     test session would pile up thousands of them in every rank. Runs only after a
     successful task, when every collective this rank issued has completed.
     """
-    for group in list(distributed_c10d._world.pg_map):
-        if group not in groups_before:
-            dist.destroy_process_group(group)
+    created = [group for group in list(distributed_c10d._world.pg_map) if group not in groups_before]
+    for group in created:
+        dist.destroy_process_group(group)
+    if created:
+        _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions: the next task's mesh of the same shape and
+    names compares equal to a destroyed one, and a cached spec would point at dead groups."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    _gen_transform_infos.cache_clear()

@@ -1,0 +1,363 @@
+"""Models, references and step checks shared by the N-D mesh and composition tests.
+
+Everything here runs inside the ranks of :func:`shardwise.testing.run_on_ranks`.
+
+- :class:`TPTransformer`: a tiny causal LM whose attention and feed-forward use separate
+  projections (``wq``/``wk``/``wv``/``wo``, ``w1``/``w2``) so tensor parallelism can split
+  them by heads and hidden units; :func:`tp_plan` / :func:`parallelize` apply torch's
+  ``ColwiseParallel`` / ``RowwiseParallel`` (optionally ``SequenceParallel`` norms);
+- :func:`average_grads`: turns a plain (or TP-only) replica into the data-parallel
+  reference: its gradients are all-reduced and averaged over the data-parallel ranks;
+- :func:`check_step`: asserts one step's losses, ``full_tensor()`` of every parameter and
+  gradient against the reference, and placements plus ``to_local()`` of every parameter
+  and gradient against torch's ``fully_shard`` (same layout);
+- :func:`train`: a few SGD steps of the three copies with :func:`check_step` after every
+  step; :func:`tally`: collective counts with shardwise's gloo reduce-scatter named as such.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._redistribute import _gen_transform_infos
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from _models import assert_all_close
+from shardwise.testing import CommCounter
+
+TIMEOUT = 180  # the machine is shared and loaded: generous, but a hang still fails
+LR = 0.1
+AC_PREFIX = "_checkpoint_wrapped_module."
+
+# ---------------------------------------------------------------- meshes
+
+
+def make_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None) -> DeviceMesh:
+    """``init_device_mesh("cpu", shape, mesh_dim_names=names)`` after clearing DTensor's
+    sharding-propagation caches.
+
+    The harness destroys the process groups a task created; a mesh of the next task with
+    the same shape and names compares equal to the old one (DeviceMesh equality ignores its
+    groups), so a cached propagation result would hand back a spec on the *old* mesh and
+    its destroyed groups ("Could not resolve the process group registered under the name").
+    """
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's copy
+    _gen_transform_infos.cache_clear()
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+# ---------------------------------------------------------------- models
+
+
+class FeedForward(nn.Module):
+    """``w2(relu(w1(x)))``; TP splits ``w1`` by output and ``w2`` by input units."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden)
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.relu(self.w1(x)))
+
+
+class TPAttention(nn.Module):
+    """Causal attention with separate q/k/v projections; the head count comes from the
+    (possibly TP-local) projection width, so the same code runs on a head shard."""
+
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, local heads, s, hd)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, dim)
+
+
+class TPBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, hidden: int):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(dim)
+        self.attention = TPAttention(dim, n_heads)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.feed_forward = FeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TPTransformer(nn.Module):
+    """Embeddings -> blocks -> norm -> output (the attribute names torchtitan uses)."""
+
+    def __init__(self, vocab_size=16, dim=8, n_layers=2, n_heads=2, hidden=10, max_seq_len=8):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.pos_embeddings = nn.Embedding(max_seq_len, dim)
+        self.layers = nn.ModuleList(TPBlock(dim, n_heads, hidden) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.size(1), device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)  # (b, s, dim)
+        for layer in self.layers:
+            h = layer(h)
+        if isinstance(h, DTensor):  # sequence parallel: (b, s/tp, dim) shards back to (b, s, dim)
+            h = h.full_tensor()
+        return self.output(self.norm(h))  # (b, s, vocab)
+
+
+def tp_plan(sequence_parallel: bool = False) -> dict:
+    """Megatron-style plan for one :class:`TPBlock` (heads and hidden units split)."""
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+    if sequence_parallel:  # the residual stream is sharded over the sequence between blocks
+        seq_to_full = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update(
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": seq_to_full,
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": copy.deepcopy(seq_to_full),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            }
+        )
+    return plan
+
+
+def parallelize(model: TPTransformer, tp_mesh, sequence_parallel: bool = False) -> TPTransformer:
+    """TP on every block; with ``sequence_parallel`` the blocks' input/output is the
+    sequence-sharded DTensor, converted at the model's edges."""
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, tp_plan(sequence_parallel))
+    if sequence_parallel:
+        to_seq_shards = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
+        parallelize_module(model.layers[0], tp_mesh, to_seq_shards)
+    return model
+
+
+# ---------------------------------------------------------------- data and references
+
+
+def generator(data_rank: int, seed: int = 0) -> torch.Generator:
+    """Data differs by data-parallel rank (ranks of one TP group share their batch)."""
+    return torch.Generator().manual_seed(1000 * (seed + 1) + data_rank)
+
+
+def token_batches(gen: torch.Generator, vocab: int, n: int, seq_len: int = 8, batch: int = 2) -> list[torch.Tensor]:
+    return [torch.randint(0, vocab, (batch, seq_len + 1), generator=gen) for _ in range(n)]
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])  # (b, s, vocab)
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def average_grads(model: nn.Module, group: dist.ProcessGroup | None = None, scale: float = 1.0) -> None:
+    """The data-parallel reference: all-reduce every gradient's local tensor over ``group``
+    (default: all ranks), divide by its size, multiply by ``scale`` (one collective)."""
+    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.mul_(scale / dist.get_world_size(group))
+    for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(reduced.view_as(g))
+
+
+def named_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters by name, ignoring ``checkpoint_wrapper``'s prefix."""
+    return {name.replace(AC_PREFIX, ""): p for name, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------- step checks
+
+
+def check_step(
+    where: str,
+    ours: nn.Module,
+    ref: nn.Module,
+    loss: torch.Tensor,
+    ref_loss: torch.Tensor,
+    theirs: nn.Module | None = None,
+    torch_loss: torch.Tensor | None = None,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
+    """Losses, ``full_tensor()`` of params and grads vs the reference; placements and
+    ``to_local()`` of params and grads vs torch's fully_shard. Every rank must call it."""
+    where = f"{where}, rank {dist.get_rank()}"
+    mine, refs = named_params(ours), named_params(ref)
+    assert mine.keys() == refs.keys(), f"{where}: names {sorted(mine)} vs reference {sorted(refs)}"
+    pairs = [(f"loss vs reference at {where}", loss.detach(), ref_loss.detach())]
+    theirs_params = named_params(theirs) if theirs is not None else None
+    if theirs is not None:
+        assert mine.keys() == theirs_params.keys(), f"{where}: names {sorted(mine)} vs torch {sorted(theirs_params)}"
+        pairs.append((f"loss vs torch at {where}", loss.detach(), torch_loss.detach()))
+    for name, p in mine.items():
+        assert isinstance(p, DTensor), f"{where}: {name} is a {type(p).__name__}, not a sharded DTensor"
+        r = refs[name]
+        pairs.append((f"param {name} vs reference at {where}", full(p.detach()), full(r.detach())))
+        assert (p.grad is None) == (r.grad is None), f"{where}: grad of {name}: ours {p.grad is not None}"
+        if p.grad is not None:
+            assert isinstance(p.grad, DTensor), f"{where}: {name}.grad is a {type(p.grad).__name__}"
+            pairs.append((f"grad {name} vs reference at {where}", full(p.grad), full(r.grad)))
+        if theirs is not None:
+            pairs += _same_layout(f"{name} at {where}", p, theirs_params[name])
+    _assert_close(pairs, rtol, atol)
+
+
+def _same_layout(what: str, p: torch.Tensor, q: torch.Tensor) -> list:
+    assert isinstance(q, DTensor), f"torch's {what} is a {type(q).__name__}"
+    pairs = []
+    for kind, a, b in (("param", p.detach(), q.detach()), ("grad", p.grad, q.grad)):
+        assert (a is None) == (b is None), f"{kind} {what}: ours {a is not None}, torch {b is not None}"
+        if a is None:
+            continue
+        assert a.placements == b.placements, f"{kind} {what}: placements {a.placements} vs torch {b.placements}"
+        assert a.device_mesh.mesh.tolist() == b.device_mesh.mesh.tolist(), f"{kind} {what}: mesh {a.device_mesh} vs {b.device_mesh}"
+        assert a.shape == b.shape, f"{kind} {what}: shape {tuple(a.shape)} vs torch {tuple(b.shape)}"
+        pairs.append((f"{kind} {what} vs torch (to_local)", a.to_local(), b.to_local()))
+    return pairs
+
+
+def _assert_close(pairs: list, rtol: float | None, atol: float | None) -> None:
+    if rtol is None:
+        assert_all_close(pairs)
+        return
+    for what, a, b in pairs:
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, what=what: f"{what}: {m}")
+
+
+# ---------------------------------------------------------------- training
+
+
+def step_all(models: list[nn.Module], lr: float = LR) -> None:
+    """One plain SGD step (``p -= lr * grad``) on each model: cheap on DTensors."""
+    with torch.no_grad():
+        for model in models:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-lr)
+
+
+def zero_all(models: list[nn.Module]) -> None:
+    for model in models:
+        model.zero_grad(set_to_none=True)
+
+
+def forward_backward(model: nn.Module, batches: list, loss_fn: Callable = lm_loss, before: Callable | None = None) -> torch.Tensor:
+    """Every micro-batch's loss with backward on each (grads accumulate); returns the sum.
+
+    ``before(model, i, n)`` runs before micro-batch ``i`` of ``n`` (e.g. to turn sync off)."""
+    total = torch.zeros(())
+    for i, batch in enumerate(batches):
+        if before is not None:
+            before(model, i, len(batches))
+        loss = loss_fn(model, batch)
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def train(
+    ours: nn.Module,
+    ref: nn.Module,
+    theirs: nn.Module | None,
+    batches_per_step: list[list],
+    *,
+    ref_group: dist.ProcessGroup | None = None,
+    loss_fn: Callable = lm_loss,
+    before: Callable | None = None,
+    ref_scale: float = 1.0,
+    after_backward: Callable | None = None,
+    tolerance: dict | None = None,
+    counts: dict | None = None,
+) -> list[float]:
+    """One SGD step per entry of ``batches_per_step`` (its micro-batches), all three copies,
+    :func:`check_step` after every step. Returns our summed loss per step.
+
+    With ``counts`` (a dict), the collectives of each step's forwards and backwards are
+    appended to ``counts["ours"]`` and ``counts["torch"]`` as :class:`CommEvent` lists."""
+    history = []
+    models = [m for m in (ours, ref, theirs) if m is not None]
+    for step, batches in enumerate(batches_per_step):
+        zero_all(models)
+        loss = _counted(counts, "ours", lambda: forward_backward(ours, batches, loss_fn, before))
+        ref_loss = forward_backward(ref, batches, loss_fn)
+        average_grads(ref, ref_group, ref_scale)
+        torch_loss = None
+        if theirs is not None:
+            torch_loss = _counted(counts, "torch", lambda: forward_backward(theirs, batches, loss_fn, before))
+        if after_backward is not None:
+            after_backward(ours, ref, theirs)
+        check_step(f"step {step} after backward", ours, ref, loss, ref_loss, theirs, torch_loss, **(tolerance or {}))
+        step_all(models)
+        history.append(loss.item())
+    check_step("after the last step", ours, ref, loss, ref_loss, theirs, torch_loss, **(tolerance or {}))
+    return history
+
+
+def _counted(counts: dict | None, key: str, fn: Callable):
+    if counts is None:
+        return fn()
+    with CommCounter() as counter:
+        result = fn()
+    counts.setdefault(key, []).append(list(counter.events))
+    return result
+
+
+def tally(events: list) -> dict[str, int]:
+    """kind -> count, with shardwise's gloo reduce-scatter (an all-to-all plus a local sum,
+    see ``shardwise.collectives.reduce_scatter``) counted as the reduce-scatter it is."""
+    return {kind: len(of_kind) for kind, of_kind in tally_by_kind(events).items()}
+
+
+def tally_by_kind(events: list) -> dict[str, list]:
+    """kind -> events, an all-to-all (shardwise's gloo reduce-scatter) filed as a reduce-scatter."""
+    out: dict[str, list] = {}
+    for e in events:
+        out.setdefault("reduce_scatter" if e.kind == "all_to_all" else e.kind, []).append(e)
+    return out
+
