@@ -1,0 +1,102 @@
+"""What to benchmark: one :class:`Case` per row of the report, and the grids of them.
+
+A case pairs shardwise with the torch API it reimplements, on one model, world size and
+precision:
+
+- ``kind="fsdp"``: ``shardwise.fully_shard`` vs ``torch.distributed.fsdp.fully_shard``,
+  each applied per transformer block and then to the root, with ``reshard_after_forward``
+  passed explicitly to every call (so the root reshards too when it is True).
+- ``kind="replicate"``: ``shardwise.replicate`` per block and root vs torch's
+  ``DistributedDataParallel`` on the whole model; fp32 only, no resharding.
+
+The full grid is model x world size x reshard x dtype for fsdp, plus model x world size
+for replicate; ``--quick`` is the small corner of it that finishes in under two minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from shardwise.train.model import PRESETS
+
+__all__ = ["KINDS", "DTYPES", "Case", "Settings", "fsdp_cases", "replicate_cases"]
+
+KINDS = ("fsdp", "replicate")
+DTYPES = ("fp32", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One side-by-side comparison; validated on construction."""
+
+    kind: str
+    """``fsdp`` (fully_shard vs torch fully_shard) or ``replicate`` (replicate vs DDP)."""
+    model: str
+    """GPT preset: ``tiny`` (~1M), ``small`` (~10M) or ``medium`` (~50M parameters)."""
+    world_size: int
+    """Number of gloo ranks."""
+    reshard: bool | None = None
+    """``reshard_after_forward`` for every fully_shard call; None for replicate (nothing is sharded)."""
+    dtype: str = "fp32"
+    """``fp32``, or ``bf16``: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Case.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.model not in PRESETS:
+            raise ValueError(f"Case.model must be one of {sorted(PRESETS)}, got {self.model!r}")
+        if self.world_size < 2:
+            raise ValueError(f"Case.world_size must be >= 2, got {self.world_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Case.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kind == "fsdp" and not isinstance(self.reshard, bool):
+            raise ValueError(f"an fsdp Case needs reshard=True/False, got {self.reshard!r}")
+        if self.kind == "replicate" and (self.reshard is not None or self.dtype != "fp32"):
+            raise ValueError(f"a replicate Case is fp32 with reshard=None, got dtype={self.dtype}, reshard={self.reshard}")
+
+    @property
+    def label(self) -> str:
+        """Short row name for the table, e.g. ``small ws4 rs=T bf16`` or ``tiny ws2 replicate``."""
+        if self.kind == "replicate":
+            return f"{self.model} ws{self.world_size} replicate"
+        return f"{self.model} ws{self.world_size} rs={'T' if self.reshard else 'F'} {self.dtype}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How every case is measured; the same for all cases of a run."""
+
+    warmup: int = 2
+    """Untimed steps per implementation before timing (lazy init, DDP bucket rebuild, allocator)."""
+    steps: int = 10
+    """Timed steps per implementation, interleaved with the other implementation's."""
+    batch_size: int = 1
+    """Sequences per rank per step (each of the preset's ``seq_len`` tokens)."""
+    seed: int = 0
+    """Seeds the model initialisation (identical for both implementations) and the data."""
+    profile: bool = False
+    """Also run one cProfile'd step per implementation on rank 0 and keep its top costs."""
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0:
+            raise ValueError(f"Settings.warmup must be >= 0, got {self.warmup}")
+        for name in ("steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Settings.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def fsdp_cases(models: Iterable[str], world_sizes: Iterable[int], reshards: Iterable[bool], dtypes: Iterable[str]) -> list[Case]:
+    """The fully_shard grid, ordered world size, model, dtype, reshard (one launch per world size)."""
+    return [
+        Case("fsdp", m, ws, rs, dt)
+        for ws in world_sizes
+        for m in models
+        for dt in dtypes
+        for rs in reshards
+    ]  # fmt: skip
+
+
+def replicate_cases(models: Iterable[str], world_sizes: Iterable[int]) -> list[Case]:
+    """replicate vs DDP for each model and world size (fp32)."""
+    return [Case("replicate", m, ws) for ws in world_sizes for m in models]

@@ -1,0 +1,99 @@
+"""The two implementations of a case, built from the same initial weights.
+
+Each :class:`Contender` is a wrapped GPT with its AdamW optimizer. Both sides of a case
+start from ``torch.manual_seed(seed); GPT(cfg)``, so their weights, data and optimizer
+are identical and only the wrapper differs::
+
+    fsdp:       for block in model.layers: fully_shard(block, mesh=..., reshard_after_forward=rs, mp_policy=mp)
+                fully_shard(model, ...)                          # shardwise's, then torch's
+    replicate:  for block in model.layers: replicate(block, mesh=...); replicate(model, mesh=...)
+                vs DistributedDataParallel(model)                # torch's bucketed all-reduce
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from bench.cases import Case
+from shardwise.train.model import GPT, GPTConfig
+
+__all__ = ["Contender", "build_pair", "build_plain", "make_optimizer", "DTYPE_BYTES"]
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes per element of a case's ``param_dtype``; gradients are always reduced in fp32."""
+
+
+class Contender(NamedTuple):
+    """One implementation under test."""
+
+    name: str  # "shardwise.fully_shard", "torch.fully_shard", "shardwise.replicate", "torch.DDP"
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with the training job's hyper-parameters (each rank steps only what it holds)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+def build_plain(model_name: str, seed: int) -> GPT:
+    """The unwrapped GPT preset, initialised from ``seed`` (the same weights on every call)."""
+    torch.manual_seed(seed)
+    return GPT(GPTConfig.preset(model_name))
+
+
+def _mp_policy(policy_cls: type, dtype: str):
+    if dtype == "bf16":
+        return policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return policy_cls()
+
+
+def _fully_shard_with(fully_shard, policy_cls: type, case: Case, mesh: DeviceMesh, seed: int) -> nn.Module:
+    model = build_plain(case.model, seed)
+    kwargs = dict(mesh=mesh, reshard_after_forward=case.reshard, mp_policy=_mp_policy(policy_cls, case.dtype))
+    for block in model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _shardwise_fsdp(case: Case, mesh: DeviceMesh, seed: int) -> Contender:
+    from shardwise import MixedPrecisionPolicy, fully_shard
+
+    model = _fully_shard_with(fully_shard, MixedPrecisionPolicy, case, mesh, seed)
+    return Contender("shardwise.fully_shard", model, make_optimizer(model))
+
+
+def _torch_fsdp(case: Case, mesh: DeviceMesh, seed: int) -> Contender:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _fully_shard_with(fully_shard, MixedPrecisionPolicy, case, mesh, seed)
+    return Contender("torch.fully_shard", model, make_optimizer(model))
+
+
+def _shardwise_replicate(case: Case, mesh: DeviceMesh, seed: int) -> Contender:
+    from shardwise import replicate
+
+    model = build_plain(case.model, seed)
+    for block in model.layers:
+        replicate(block, mesh=mesh)
+    replicate(model, mesh=mesh)
+    return Contender("shardwise.replicate", model, make_optimizer(model))
+
+
+def _torch_ddp(case: Case, mesh: DeviceMesh, seed: int) -> Contender:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(build_plain(case.model, seed), process_group=mesh.get_group())
+    return Contender("torch.DDP", model, make_optimizer(model))
+
+
+def build_pair(case: Case, mesh: DeviceMesh, seed: int) -> tuple[Contender, Contender]:
+    """``(shardwise, torch)`` for ``case`` on the 1-D CPU ``mesh``, from identical weights."""
+    if case.kind == "fsdp":
+        return _shardwise_fsdp(case, mesh, seed), _torch_fsdp(case, mesh, seed)
+    return _shardwise_replicate(case, mesh, seed), _torch_ddp(case, mesh, seed)

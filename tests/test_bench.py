@@ -1,0 +1,173 @@
+"""Tests of the benchmark harness (``python -m bench``): its arithmetic, and one tiny run end to end.
+
+The end-to-end test runs the ``--quick`` machinery on the tiny model only (2 ranks, fp32,
+2 timed steps, fully_shard with resharding and replicate vs DDP, profiled) in a subprocess and checks the JSON it writes: every field present, numbers sane. It never
+compares timings: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # `bench` is a top-level package of the repo, not installed
+
+from bench.cases import Case, Settings  # noqa: E402
+from bench.cli import build_parser, main, plan  # noqa: E402
+from bench.memory import _ORIGINAL_RESIZE, PeakMemory  # noqa: E402
+from bench.stats import percentile, spread, worst_rank  # noqa: E402
+from bench.wire import count_events, read_wchar, theoretical_min  # noqa: E402
+from shardwise.testing import CommEvent  # noqa: E402
+
+# ---------------------------------------------------------------- arithmetic
+
+
+def test_theoretical_min_uses_param_dtype_for_gathers_and_reduce_dtype_for_reductions():
+    psi, n = 1000, 4
+    fp32 = theoretical_min("fsdp", psi, n, True, 4, 4)
+    assert fp32.total_bytes == pytest.approx(3 * psi * 4 * 3 / 4)
+    bf16 = theoretical_min("fsdp", psi, n, True, 2, 4)
+    assert bf16.gather_bytes == pytest.approx(2 * psi * 2 * 3 / 4)
+    assert bf16.reduce_bytes == pytest.approx(psi * 4 * 3 / 4)
+    assert theoretical_min("fsdp", psi, n, False, 4, 4).total_bytes == pytest.approx(2 * psi * 4 * 3 / 4)
+    assert theoretical_min("replicate", psi, n, None, 4, 4).total_bytes == pytest.approx(2 * psi * 4 * 3 / 4)
+
+
+def test_count_events_applies_ring_factors():
+    events = [
+        CommEvent("all_gather", "op", 800, 4),
+        CommEvent("reduce_scatter", "op", 800, 4),
+        CommEvent("all_reduce", "op", 800, 4),
+        CommEvent("all_to_all", "op", 800, 4),
+        CommEvent("barrier", "op", 0, 4),
+    ]
+    counted = count_events(events)
+    assert counted.wire_bytes == {"all_gather": 600, "reduce_scatter": 600, "all_reduce": 1200, "all_to_all": 600}
+    assert counted.counts["barrier"] == 1 and counted.total_wire_bytes == 3000
+
+
+def test_spread_and_worst_rank():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 10) == pytest.approx(1.0)
+    assert spread([1.0, 2.0, 3.0, 4.0, 5.0]).median == 3.0
+    worst = worst_rank([[1.0, 1.0, 1.0], [2.0, 2.0, 9.0]])
+    assert worst.median == 2.0 and worst.p90 > 2.0
+
+
+def test_peak_memory_counts_frees_and_storage_resizes():
+    keep = torch.zeros(1000)  # 4000 B seeded
+    with PeakMemory([keep]) as memory:
+        a = torch.ones(2000)  # 12000 live
+        b = a * 2  # 20000
+        del a, b  # 4000
+        buf = torch.empty(5000)  # 24000
+        buf.untyped_storage().resize_(0)  # 4000: freed the way FSDP frees unsharded params
+        small = torch.ones(100)  # 4400
+        buf.untyped_storage().resize_(20_000)  # 24400
+        del small  # 24000
+    assert memory.start_bytes == 4000
+    assert memory.peak_bytes == 24_400 and memory.live_bytes == 24_000
+    assert torch.UntypedStorage.resize_ is _ORIGINAL_RESIZE  # the wrapper is gone with the mode
+
+
+def test_case_validation():
+    with pytest.raises(ValueError, match="reshard"):
+        Case("fsdp", "tiny", 2, None)
+    with pytest.raises(ValueError, match="fp32"):
+        Case("replicate", "tiny", 2, None, "bf16")
+    with pytest.raises(ValueError, match="world_size"):
+        Case("fsdp", "tiny", 1, True)
+    with pytest.raises(ValueError, match="steps"):
+        Settings(steps=0)
+
+
+def test_quick_plan_is_the_documented_grid():
+    cases, settings = plan(build_parser().parse_args(["--quick"]))
+    assert [c.label for c in cases] == [
+        "tiny ws2 rs=T fp32", "tiny ws2 rs=F fp32", "small ws2 rs=T fp32", "small ws2 rs=F fp32", "tiny ws2 replicate",
+    ]  # fmt: skip
+    assert settings.steps <= 3
+    cases, _ = plan(build_parser().parse_args(["--models", "small", "--world-sizes", "4", "--reshard", "false", "--replicate-models", "none"]))
+    assert [c.label for c in cases] == ["small ws4 rs=F fp32", "small ws4 rs=F bf16"]
+
+
+# ---------------------------------------------------------------- end to end
+
+_SPREAD_KEYS = {"median", "p10", "p90"}
+_IMPL_KEYS = {
+    "name", "step_s", "per_rank_median_s", "tokens_per_s", "x_compute", "wire_bytes", "wire_over_min", "comm_counts",
+    "payload_bytes_by_kind", "wire_bytes_by_kind", "self_reported_wire_bytes", "socket_bytes", "peak_bytes",
+    "start_bytes", "losses_rank0", "step_s_per_rank", "profile_rank0",
+}  # fmt: skip
+_RESULT_KEYS = {"case", "n_params", "seq_len", "tokens_per_step", "theory_min_bytes", "compute_only", "ratio", "max_loss_diff", "impls"}
+_NAMES = {"fsdp": ("shardwise.fully_shard", "torch.fully_shard"), "replicate": ("shardwise.replicate", "torch.DDP")}
+
+
+@pytest.fixture(scope="module")
+def quick_tiny_run(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench")
+    argv = [
+        "--models", "tiny", "--world-sizes", "2", "--dtypes", "fp32", "--reshard", "true",
+        "--replicate-models", "tiny", "--warmup", "1", "--steps", "2", "--profile", "--out", str(out),
+    ]  # fmt: skip
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0
+    files = list(out.glob("*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text()), printed.getvalue()
+
+
+def test_run_writes_every_field(quick_tiny_run):
+    doc, stdout = quick_tiny_run
+    assert set(doc) == {"meta", "results"}
+    assert doc["meta"]["settings"]["steps"] == 2 and doc["meta"]["threads_per_rank"] == 1
+    assert len(doc["meta"]["source"]["shardwise_sources_sha256"]) == 64 and doc["meta"]["cases_planned"] == 2
+    labels = [r["case"]["label"] for r in doc["results"]]
+    assert labels == ["tiny ws2 rs=T fp32", "tiny ws2 replicate"]
+    for res in doc["results"]:
+        assert set(res) == _RESULT_KEYS
+        assert set(res["compute_only"]) == {"step_s", "peak_bytes", "step_s_rank0"}
+        assert set(res["compute_only"]["step_s"]) == _SPREAD_KEYS
+        assert set(res["impls"]) == {"shardwise", "torch"}
+        for role, name in zip(("shardwise", "torch"), _NAMES[res["case"]["kind"]]):
+            imp = res["impls"][role]
+            assert set(imp) == _IMPL_KEYS, set(imp) ^ _IMPL_KEYS
+            assert imp["name"] == name
+            assert set(imp["step_s"]) == _SPREAD_KEYS
+            prof = imp["profile_rank0"]
+            assert prof is not None and prof["top"] and prof["own"]
+            assert prof["python_calls"] > prof["own_python_calls"] > 0
+        assert res["case"]["label"] in stdout  # the printed table has a row per case
+
+
+def test_run_numbers_are_sane(quick_tiny_run):
+    doc, _ = quick_tiny_run
+    for res in doc["results"]:
+        minimum = res["theory_min_bytes"]["total"]
+        assert res["tokens_per_step"] == 1 * 128 * 2 and res["n_params"] > 1_000_000
+        assert res["ratio"] > 0 and math.isfinite(res["ratio"])
+        assert res["max_loss_diff"] < 1e-3, "both implementations should train the same model on the same data"
+        compute = res["compute_only"]
+        assert len(compute["step_s_rank0"]) == 2 and compute["step_s"]["median"] > 0
+        assert compute["peak_bytes"] > 0
+        for imp in res["impls"].values():
+            s = imp["step_s"]
+            assert 0 < s["p10"] <= s["median"] <= s["p90"]
+            assert len(imp["step_s_per_rank"]) == 2 and all(len(t) == 2 for t in imp["step_s_per_rank"])
+            assert imp["tokens_per_s"] > 0 and imp["x_compute"] > 0
+            assert 0.99 * minimum <= imp["wire_bytes"] <= 2 * minimum, (imp["name"], imp["wire_bytes"], minimum)
+            assert imp["peak_bytes"] > imp["start_bytes"] > 0
+            assert len(imp["losses_rank0"]) == 1 + 2 + 2  # warmup, timed, counted, memory
+            if read_wchar() is not None:
+                assert imp["socket_bytes"] >= 0.5 * minimum
+            if imp["name"].startswith("shardwise"):
+                assert imp["self_reported_wire_bytes"] == imp["wire_bytes"]
