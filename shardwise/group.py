@@ -182,20 +182,27 @@ class ParamGroup:
         )
 
     def _ensure_unsharded_buffer(self) -> None:
+        """Create the unsharded buffer and the params aliasing it (once; storage starts freed)."""
         n = self.mesh_info.shard_size
-        if self._unsharded_flat is None or self._unsharded_flat.dtype != self.param_dtype:
-            if self._aliases_shard:
-                self._unsharded_flat = self._flat_shard
-            else:
-                self._unsharded_flat = torch.empty(n * self._total_numel, dtype=self.param_dtype, device=self.device)
-            self._segments = []
-            offset = 0
-            for p in self.params:
-                segment = self._unsharded_flat[offset : offset + p.gathered_numel()]
-                self._segments.append(segment)
-                p.init_unsharded_param(segment)
-                offset += p.gathered_numel()
+        if self._unsharded_flat is not None and self._unsharded_flat.dtype == self.param_dtype:
             return
+        if self._aliases_shard:
+            self._unsharded_flat = self._flat_shard
+        else:
+            self._unsharded_flat = torch.empty(n * self._total_numel, dtype=self.param_dtype, device=self.device)
+        self._segments = []
+        offset = 0
+        for p in self.params:
+            segment = self._unsharded_flat[offset : offset + p.gathered_numel()]
+            self._segments.append(segment)
+            p.init_unsharded_param(segment)
+            offset += p.gathered_numel()
+        if self._unsharded_flat is not self._flat_shard:
+            self._unsharded_flat.untyped_storage().resize_(0)
+
+    def _allocate_unsharded_storage(self) -> None:
+        """Give the unsharded buffer its bytes — as late as possible: at copy-out, so an
+        in-flight all-gather never holds its output and the unsharded copy at once."""
         storage = self._unsharded_flat.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self._unsharded_flat.numel() * self._unsharded_flat.element_size())
@@ -239,6 +246,7 @@ class ParamGroup:
         # A one-param group gathered over all N ranks lands in its unsharded layout directly.
         direct = len(self.params) == 1 and n == self.mesh_info.shard_size
         if direct and isinstance(self.all_gather_comm, collectives.DefaultAllGather):
+            self._allocate_unsharded_storage()
             return self._segments[0]
         return self.all_gather_comm.allocate((self._unsharded_flat.numel(),), dtype=self.param_dtype, device=self.device)
 
@@ -257,6 +265,7 @@ class ParamGroup:
         if pending.work is not None:
             pending.work.wait()
         if pending.gathered is not self._segments[0]:
+            self._allocate_unsharded_storage()
             n = pending.num_shards
             sizes = [p.gathered_numel() // n for p in self.params]
             collectives.copy_out(pending.gathered, n, sizes, self._segments)

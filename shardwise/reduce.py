@@ -133,8 +133,10 @@ class GradReducer:
         mesh_info = group.mesh_info
         n = mesh_info.shard_size
         dtype = self._reduce_dtype(grads[0].dtype)
-        chunked = [p.grad_as_chunks(g.to(dtype)) for p, g in zip(params, grads)]
-        packed = collectives.pack_for_reduce(chunked, n)  # (N, Pg)
+        chunked = [p.grad_as_chunks(g) for p, g in zip(params, grads)]
+        grads.clear()  # the unsharded grads die as soon as they are packed
+        packed = collectives.pack_for_reduce(chunked, n, dtype)  # (N, Pg) in reduce_dtype
+        del chunked
         world = n * mesh_info.replicate_size
         plan = collectives.plan_reduction(dtype, world, self.divide_factor)
         if plan.pre_divide != 1.0:
