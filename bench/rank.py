@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh

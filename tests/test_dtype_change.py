@@ -16,7 +16,6 @@ metadata and their gradients all carry the new dtype.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

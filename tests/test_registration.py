@@ -84,7 +84,7 @@ def _check_unsharded(model: nn.Module, ref: nn.Module, names: list[str], where: 
 
 def _registration_through_steps():
     ours, theirs, ref = _build_stack()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     names = list(_kinds(ours))
     sharded = _expected(("",), names)  # every name
     assert _kinds(ours) == _kinds(theirs) == sharded
