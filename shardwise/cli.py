@@ -7,7 +7,7 @@ turn runs this same command once per rank::
     shardwise train                       # = python -m torch.distributed.run --standalone
                                           #     --nproc-per-node 2 -m shardwise train
     shardwise train --nproc 4 --model small --mixed-precision bf16
-    shardwise train --impl torch          # the same run with torch.distributed.fsdp.fully_shard
+    shardwise train          # the same run with torch.distributed.fsdp.fully_shard
 
 Under torchrun (``RANK``/``LOCAL_RANK`` are set) it trains directly, so this works too::
 

@@ -1,7 +1,7 @@
 """Tests of ``shardwise train``: model presets, data sampling, the loop, and the CLI end to end.
 
-The end-to-end tests launch real torchrun jobs of 2 gloo ranks on CPU; they run once
-with ``--impl torch`` (torch's FSDP2, the reference) and once with ``--impl shardwise``.
+The end-to-end tests launch real torchrun jobs of 2 gloo ranks on CPU with shardwise's
+``fully_shard`` (the comparison with torch's FSDP2 lives in ``bench/``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from shardwise.train.data import BatchSampler, decode, encode, load_corpus
 from shardwise.train.loop import TrainConfig, train
 from shardwise.train.model import GPT, GPTConfig, count_params
 from shardwise.train.report import ProgressBar, format_bytes
+from shardwise.train.sharding import IMPLS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-IMPLS = ["torch", "shardwise"]
 FINAL_LINE = re.compile(r"^final loss (\S+) \| ([\d,]+) tokens/s \| (.+)$", re.MULTILINE)
 
 
@@ -151,10 +151,10 @@ def test_cli_launches_torchrun_when_not_under_it(monkeypatch):
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    assert cli.main(["train", "--steps", "3", "--nproc", "3", "--impl", "torch"]) == 0
+    assert cli.main(["train", "--steps", "3", "--nproc", "3", "--impl", "shardwise"]) == 0
     ((cmd, env),) = calls
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]
-    assert cmd[1:] == [*launcher, "-m", "shardwise", "train", "--steps", "3", "--impl", "torch"]
+    assert cmd[1:] == [*launcher, "-m", "shardwise", "train", "--steps", "3", "--impl", "shardwise"]
     assert str(REPO_ROOT) in env["PYTHONPATH"].split(os.pathsep)
 
 

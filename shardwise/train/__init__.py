@@ -13,7 +13,7 @@ Launch::
 
     python -m shardwise train                                      # 2 CPU ranks via torchrun
     python -m shardwise train --nproc 1 --steps 30                 # a single rank
-    torchrun --standalone --nproc-per-node 4 -m shardwise train --model small --impl torch
+    torchrun --standalone --nproc-per-node 4 -m shardwise train --model small
 """
 
 from shardwise.train.loop import TrainConfig, TrainResult, run, train

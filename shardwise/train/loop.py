@@ -9,7 +9,7 @@ Launch it through the CLI, which starts torchrun for you, or under torchrun dire
 
     python -m shardwise train                                   # 2 CPU ranks, tiny model
     python -m shardwise train --nproc 4 --model small --steps 50
-    torchrun --standalone --nproc-per-node 2 -m shardwise train --impl torch
+    torchrun --standalone --nproc-per-node 2 -m shardwise train
 
 or from Python, inside an already-initialised process group (one rank is enough)::
 
@@ -17,7 +17,7 @@ or from Python, inside an already-initialised process group (one rank is enough)
     from shardwise.train.loop import TrainConfig, train
     from shardwise.train import distributed
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    result = train(TrainConfig(steps=30, impl="torch"), distributed.setup("cpu"))
+    result = train(TrainConfig(steps=30), distributed.setup("cpu"))
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class TrainResult:
     final_loss: float  # the last step's loss, mean over ranks
     wall_s: float  # time spent in the steps
     setup_s: float  # corpus, model build and sharding, before the first step
-    comm: "CommStats | None"  # this rank's collectives during the steps; None for --impl torch
+    comm: "CommStats | None"  # this rank's collectives during the steps; None for
 
     @property
     def tokens_per_s(self) -> float:

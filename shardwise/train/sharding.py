@@ -1,10 +1,8 @@
-"""Apply FSDP2-style sharding to a :class:`~shardwise.train.model.GPT`, with either implementation.
+"""Apply FSDP2-style sharding to a :class:`~shardwise.train.model.GPT`.
 
-``--impl shardwise`` uses this project's ``shardwise.fully_shard``; ``--impl torch`` uses
-``torch.distributed.fsdp.fully_shard``, the API shardwise reimplements. Both are called
-identically, so the same run is a like-for-like comparison. Each implementation is
-imported only when chosen (inside :func:`_import_shardwise` / :func:`_import_torch`), so
-choosing one never depends on the other importing cleanly.
+The library never imports torch's own FSDP; to compare this job's model against
+``torch.distributed.fsdp.fully_shard`` step for step, run the benchmark
+(``python -m bench``), which drives both implementations on the same presets.
 
 The wrapping is the usual one for transformers: one FSDP unit per block, so only one
 block's full parameters need exist at a time, then the root for what is left (embeddings,
@@ -28,7 +26,7 @@ __all__ = ["IMPLS", "MIXED_PRECISION", "FSDPApi", "load_fsdp_api", "shard_model"
 
 logger = logging.getLogger(__name__)
 
-IMPLS = ("shardwise", "torch")
+IMPLS = ("shardwise",)
 """Values of ``--impl``."""
 
 MIXED_PRECISION = ("none", "bf16")
@@ -43,17 +41,7 @@ class FSDPApi(NamedTuple):
 
 
 def _import_shardwise() -> FSDPApi:
-    try:
-        from shardwise import MixedPrecisionPolicy, fully_shard
-    except ImportError as e:
-        hint = "--impl torch runs torch's FSDP2 instead"
-        raise ImportError(f"shardwise's fully_shard is not importable ({e}); {hint}") from e
-
-    return FSDPApi(fully_shard, MixedPrecisionPolicy)
-
-
-def _import_torch() -> FSDPApi:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from shardwise import MixedPrecisionPolicy, fully_shard
 
     return FSDPApi(fully_shard, MixedPrecisionPolicy)
 
@@ -62,8 +50,6 @@ def load_fsdp_api(impl: str) -> FSDPApi:
     """``fully_shard`` and ``MixedPrecisionPolicy`` of the implementation named ``impl``."""
     if impl == "shardwise":
         return _import_shardwise()
-    if impl == "torch":
-        return _import_torch()
     raise ValueError(f"unknown FSDP implementation {impl!r}; expected one of {IMPLS}")
 
 
@@ -81,7 +67,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, impl: str, mixed_precision: 
     Args:
         model: a module with a ``layers`` ``nn.ModuleList`` (a :class:`GPT`), already on the mesh's device.
         mesh: the 1-D data-parallel mesh to shard over.
-        impl: ``"shardwise"`` or ``"torch"``.
+        impl: ``"shardwise"`` (the only implementation the library ships).
         mixed_precision: ``"none"`` or ``"bf16"`` (bf16 parameters and compute, fp32 gradient reduction).
     """
     api = load_fsdp_api(impl)
