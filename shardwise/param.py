@@ -245,10 +245,6 @@ class ShardedParam:
         d, n = self.shard_dim, self.num_shards
         return torch.stack(grad.chunk(n, dim=d))  # (N, *local)
 
-    def shard_of_reduced(self, reduced_segment: torch.Tensor) -> torch.Tensor:
-        """This rank's real gradient shard from its padded segment of the reduce-scatter output."""
-        return self.shard_view(reduced_segment)
-
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, acc = [], 1

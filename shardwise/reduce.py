@@ -181,7 +181,7 @@ class GradReducer:
             self.all_reduce_hook(reduced)
         offset = 0
         for p in pending.params:
-            shard = p.shard_of_reduced(reduced[offset : offset + p.padded_numel])
+            shard = p.shard_view(reduced[offset : offset + p.padded_numel])  # our real rows
             offset += p.padded_numel
             _accumulate_sharded_grad(p, shard)
         group = self.group
@@ -205,9 +205,6 @@ class GradReducer:
             return None
         collectives.all_reduce(pending.reduced, mesh_info.replicate_group, async_op=False)
         return pending
-
-    def has_pending(self) -> bool:
-        return self._pending is not None
 
     def discard(self) -> None:
         """Forget an aborted iteration's reductions and unsynced gradients."""
