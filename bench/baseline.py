@@ -30,7 +30,7 @@ COMPUTE_ONLY = "compute-only"
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def build_compute_only(case: Case, seed: int) -> Contender:
+def build_compute_only(case: Case, seed: int, optimizer: str) -> Contender:
     """The unwrapped model of ``case`` in its compute dtype, with AdamW."""
     model = build_plain(case.model, seed).to(_TORCH_DTYPE[case.dtype])
-    return Contender(COMPUTE_ONLY, model, make_optimizer(model))
+    return Contender(COMPUTE_ONLY, model, make_optimizer(model, optimizer))

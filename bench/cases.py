@@ -63,6 +63,9 @@ class Case:
         return f"{self.model} ws{self.world_size} rs={'T' if self.reshard else 'F'} {self.dtype}"
 
 
+OPTIMIZERS = ("foreach", "loop")
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """How every case is measured; the same for all cases of a run."""
@@ -77,10 +80,16 @@ class Settings:
     """Seeds the model initialisation (identical for both implementations) and the data."""
     profile: bool = False
     """Also run one cProfile'd step per implementation on rank 0 and keep its top costs."""
+    optimizer: str = "foreach"
+    """AdamW's implementation for every contender: ``foreach`` (torch's default on GPUs: a
+    few multi-tensor kernels per step) or ``loop`` (torch's default on CPU: ~15 ops per
+    parameter, each through DTensor dispatch for sharded/replicated parameters)."""
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
             raise ValueError(f"Settings.warmup must be >= 0, got {self.warmup}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"Settings.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         for name in ("steps", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Settings.{name} must be >= 1, got {getattr(self, name)}")

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.cases import DTYPES, Case, Settings, fsdp_cases, replicate_cases
+from bench.cases import DTYPES, OPTIMIZERS, Case, Settings, fsdp_cases, replicate_cases
 from bench.launch import launch
 from bench.report import format_profiles, format_table, summarise_case, write_json
 from shardwise.train.model import PRESETS
@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
     p.add_argument("--profile", action="store_true", help="cProfile one extra step per implementation on rank 0")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"directory for the JSON (default {DEFAULT_OUT})")
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="foreach",
+        help="AdamW implementation for every contender (default foreach, as on GPUs; loop: CPU's default)",
+    )
     p.add_argument("--show", type=Path, metavar="JSON", help="print the table (and profiles) of an earlier run and exit")
     return p
 
@@ -95,7 +101,7 @@ def plan(args: argparse.Namespace) -> tuple[list[Case], Settings]:
     if "none" not in replicate_models:
         cases += replicate_cases(replicate_models, world_sizes)
     cases.sort(key=lambda c: c.world_size)  # stable: one launch per world size, grid order inside
-    settings = Settings(warmup=pick("warmup"), steps=pick("steps"), batch_size=args.batch_size, seed=args.seed, profile=args.profile)
+    settings = Settings(warmup=pick("warmup"), steps=pick("steps"), batch_size=args.batch_size, seed=args.seed, profile=args.profile, optimizer=args.optimizer)
     return cases, settings
 
 
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench: {e}") from None
     started, info = time.time(), _run_info(argv, settings, len(cases))
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
-    _progress(f"bench: {len(cases)} cases, {settings.warmup} warmup + {settings.steps} timed steps each, batch {settings.batch_size}/rank")
+    _progress(f"bench: {len(cases)} cases, {settings.warmup} warmup + {settings.steps} timed steps each, batch {settings.batch_size}/rank, {settings.optimizer} AdamW")
 
     def save(results: list[dict[str, Any]]) -> Path:  # after every case, so a long grid cut short keeps its rows
         meta = {**info, "wall_s": time.time() - started, "loadavg_end": _loadavg()}

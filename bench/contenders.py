@@ -35,9 +35,10 @@ class Contender(NamedTuple):
     optimizer: torch.optim.Optimizer
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW with the training job's hyper-parameters (each rank steps only what it holds)."""
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    """AdamW with the training job's hyper-parameters (each rank steps only what it holds);
+    ``kind`` is :attr:`bench.cases.Settings.optimizer`."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, foreach=kind == "foreach")
 
 
 def build_plain(model_name: str, seed: int) -> GPT:
@@ -61,39 +62,39 @@ def _fully_shard_with(fully_shard, policy_cls: type, case: Case, mesh: DeviceMes
     return model
 
 
-def _shardwise_fsdp(case: Case, mesh: DeviceMesh, seed: int) -> Contender:
+def _shardwise_fsdp(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Contender:
     from shardwise import MixedPrecisionPolicy, fully_shard
 
     model = _fully_shard_with(fully_shard, MixedPrecisionPolicy, case, mesh, seed)
-    return Contender("shardwise.fully_shard", model, make_optimizer(model))
+    return Contender("shardwise.fully_shard", model, make_optimizer(model, optimizer))
 
 
-def _torch_fsdp(case: Case, mesh: DeviceMesh, seed: int) -> Contender:
+def _torch_fsdp(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Contender:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _fully_shard_with(fully_shard, MixedPrecisionPolicy, case, mesh, seed)
-    return Contender("torch.fully_shard", model, make_optimizer(model))
+    return Contender("torch.fully_shard", model, make_optimizer(model, optimizer))
 
 
-def _shardwise_replicate(case: Case, mesh: DeviceMesh, seed: int) -> Contender:
+def _shardwise_replicate(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Contender:
     from shardwise import replicate
 
     model = build_plain(case.model, seed)
     for block in model.layers:
         replicate(block, mesh=mesh)
     replicate(model, mesh=mesh)
-    return Contender("shardwise.replicate", model, make_optimizer(model))
+    return Contender("shardwise.replicate", model, make_optimizer(model, optimizer))
 
 
-def _torch_ddp(case: Case, mesh: DeviceMesh, seed: int) -> Contender:
+def _torch_ddp(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Contender:
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(build_plain(case.model, seed), process_group=mesh.get_group())
-    return Contender("torch.DDP", model, make_optimizer(model))
+    return Contender("torch.DDP", model, make_optimizer(model, optimizer))
 
 
-def build_pair(case: Case, mesh: DeviceMesh, seed: int) -> tuple[Contender, Contender]:
+def build_pair(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> tuple[Contender, Contender]:
     """``(shardwise, torch)`` for ``case`` on the 1-D CPU ``mesh``, from identical weights."""
     if case.kind == "fsdp":
-        return _shardwise_fsdp(case, mesh, seed), _torch_fsdp(case, mesh, seed)
-    return _shardwise_replicate(case, mesh, seed), _torch_ddp(case, mesh, seed)
+        return _shardwise_fsdp(case, mesh, seed, optimizer), _torch_fsdp(case, mesh, seed, optimizer)
+    return _shardwise_replicate(case, mesh, seed, optimizer), _torch_ddp(case, mesh, seed, optimizer)

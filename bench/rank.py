@@ -78,10 +78,10 @@ class _Arm(NamedTuple):
 
 def run_case(case: Case, settings: Settings, mesh: DeviceMesh) -> CaseMeasurement:
     """Measure ``case`` on this rank; every rank of ``mesh`` must call it with the same arguments."""
-    pair = [_Arm(c, ImplMeasurement(c.name)) for c in build_pair(case, mesh, settings.seed)]
+    pair = [_Arm(c, ImplMeasurement(c.name)) for c in build_pair(case, mesh, settings.seed, settings.optimizer)]
     baseline = None
     if dist.get_rank() == 0:
-        plain = build_compute_only(case, settings.seed)
+        plain = build_compute_only(case, settings.seed, settings.optimizer)
         baseline = _Arm(plain, ImplMeasurement(plain.name))
     total = settings.warmup + settings.steps + EXTRA_STEPS
     batches = iter(make_batches(GPTConfig.preset(case.model), settings.batch_size, total, settings.seed, dist.get_rank()))

@@ -86,6 +86,7 @@ class ParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self.post_forward = None
         self._pending_gather: _PendingGather | None = None
+        self._gathered_version = -1  # the flat shard's version when last gathered
         self._unsharded_flat = None
         self._segments = []
         self._post_forward_shard = None
@@ -217,7 +218,14 @@ class ParamGroup:
         return gather_input, self.mesh_info.shard_group, self.mesh_info.shard_size
 
     def unshard(self, async_op: bool = False) -> None:
-        """Start gathering the group's params (idempotent); ``wait_for_unshard`` finishes it."""
+        """Start gathering the group's params (idempotent); ``wait_for_unshard`` finishes it.
+
+        Params kept gathered (``reshard_after_forward=False`` after a no-grad forward, say)
+        whose shards changed since they were gathered (an optimizer step, a checkpoint
+        load) are stale: they are gathered again rather than computed with.
+        """
+        if self.gathered_or_gathering and self._gathered_stale():
+            self.reshard()
         if self.is_unsharded or self._pending_gather is not None:
             return
         if self._flat_shard.is_meta:
@@ -232,6 +240,7 @@ class ParamGroup:
         if self._unsharded_flat is self._flat_shard:
             self._register_unsharded()
             return
+        self._gathered_version = self._shard_version()
         gather_input, group, n = self._gather_source()
         if n == 1:
             self._pending_gather = _PendingGather(None, gather_input, 1)
@@ -241,6 +250,17 @@ class ParamGroup:
             self._pending_gather = _PendingGather(work, gathered, n)
         if not async_op:
             self.wait_for_unshard()
+
+    def _shard_version(self) -> int:
+        """Grows whenever a sharded param is written in place: the sum of the DTensor
+        parameters' version counters (an in-place op on a DTensor bumps the wrapper's
+        counter; its local tensor's is below autograd and does not move)."""
+        return sum(p.sharded_param._version for p in self.params)
+
+    def _gathered_stale(self) -> bool:
+        """Whether a sharded param changed since the last all-gather (an optimizer step, a
+        checkpoint load). Aliased params (``replicate``) are the shard: never stale."""
+        return self._unsharded_flat is not self._flat_shard and self._shard_version() != self._gathered_version
 
     def _gather_output(self, n: int) -> torch.Tensor:
         # A one-param group gathered over all N ranks lands in its unsharded layout directly.

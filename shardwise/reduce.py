@@ -78,6 +78,15 @@ class GradReducer:
         mp = self.group.mp_policy
         return mp.reduce_dtype or mp.param_dtype or grad_dtype
 
+    @property
+    def frees_buffer_when_done(self) -> bool:
+        """Whether a reduction in flight holds a buffer that is garbage once it completes:
+        the reduce-scatter's ``(N, Pg)`` input. Post-backward then finishes the previous
+        group's reduction before packing its own, so at most one such buffer is alive.
+        With shard size 1 (``replicate``) the packed buffer *becomes* the gradients, so every
+        group's all-reduce stays in flight until the end of backward, as DDP's buckets do."""
+        return self.group.mesh_info.shard_size > 1
+
     # ---- gradients --------------------------------------------------------------------
 
     def reduce_grads(self) -> None:

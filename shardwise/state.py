@@ -28,6 +28,7 @@ from shardwise import init_checks, tracing
 from shardwise.group import ParamGroup, TrainingState
 from shardwise.mesh import MeshInfo
 from shardwise.policies import MixedPrecisionPolicy
+from shardwise.prefetch import ForwardPrefetcher
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class IterationContext:
     post_forward_order: list["ModuleState"]  # states in the order their forward finished
     final_callback_queued: bool
     reducing: ParamGroup | None  # the group whose reduction was issued last
+    forward_prefetcher: ForwardPrefetcher  # implicit forward prefetch (CPU devices)
 
     is_last_backward: bool  # False: leave reductions in flight at the end of this backward
     iter_root: "ModuleState | None"  # the first state whose forward ran this iteration
@@ -58,6 +60,7 @@ class IterationContext:
         self.reducing = None
         self.is_last_backward = True
         self.iter_root = None
+        self.forward_prefetcher = ForwardPrefetcher()
 
     def queue_final_callback(self, state: "ModuleState") -> None:
         """Queue the end-of-backward callback, from the root or the iteration's first module.
@@ -90,13 +93,13 @@ class IterationContext:
         self.reducing = None
         self.final_callback_queued = False
         self.iter_root = None
-        self.iter_root = None
 
     def reset(self) -> None:
         """Recover from an exception mid-iteration: drop in-flight work, reshard, clear."""
         for state in self.states:
             state.discard_iteration()
         self._clear()
+        self.forward_prefetcher.abort()
         self.is_last_backward = True
 
 
@@ -127,7 +130,7 @@ class ModuleState(_State):
     reshard_after_forward: bool | int | None  # None: resolved at lazy init (root False, else True)
     is_root: bool | None  # None until lazy init
     ctx: IterationContext | None
-    forward_prefetch: list["ModuleState"]
+    forward_prefetch: list["ModuleState"] | None  # None: implicit on CPU (next in forward order)
     backward_prefetch: list["ModuleState"] | None  # None: implicit (reverse forward order)
 
     def __init__(self, modules, group, mesh_info, device, mp_policy, reshard_after_forward):
@@ -142,7 +145,7 @@ class ModuleState(_State):
         self.ctx = None
         self.fqn = ""
         self.api = "fully_shard"  # or "replicate": which public call made this state
-        self.forward_prefetch = []
+        self.forward_prefetch = None
         self.backward_prefetch = None
         self.unshard_async_op = False  # torch's _set_unshard_async_op; shardwise is always async inside
         self._post_forward_indices: list[int] = []
@@ -210,18 +213,34 @@ class ModuleState(_State):
         # A grouped call's later members join the pass the first member opened: one
         # post-backward trigger (one reduction) per pass.
         entering_pass = self.group is None or self.group.training_state != TrainingState.FORWARD
+        if entering_pass:
+            self._enter_forward()
         if self.group is not None:
             self.group.training_state = TrainingState.FORWARD
             self.group.unshard()
             self.group.wait_for_unshard()
-            for target in self.forward_prefetch:
-                target.prefetch()
+            self._prefetch_forward()
         if torch.is_grad_enabled():
             if self.ctx.iter_root is None:
                 self.ctx.iter_root = self
             if entering_pass:
                 args, kwargs = self._wrap_post_backward_trigger(args, kwargs)
         return args, kwargs
+
+    def _enter_forward(self) -> None:
+        prefetcher = self.ctx.forward_prefetcher
+        if self.is_root:
+            prefetcher.start()
+        prefetcher.enter(self)
+
+    def _prefetch_forward(self) -> None:
+        """Explicit targets; else, on CPU, the module that followed this one last forward
+        (:mod:`shardwise.prefetch` says why only CPU)."""
+        if self.forward_prefetch is not None:
+            for target in self.forward_prefetch:
+                target.prefetch()
+        elif self.device.type == "cpu":
+            self.ctx.forward_prefetcher.prefetch_after(self)
 
     def _to_device(self, x: Any) -> Any:
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
@@ -256,6 +275,7 @@ class ModuleState(_State):
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         if self.is_root:
             self._complete_partial_groups()
+            self.ctx.forward_prefetcher.finish()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(self.mp_policy.output_dtype, output)
         return output
@@ -321,8 +341,8 @@ class ModuleState(_State):
         if previous is not None and previous is not group:
             previous.finish_reduce()
         group.reduce_grads()
-        if self.ctx is not None:
-            self.ctx.reducing = group
+        if self.ctx is not None and group.reducer.frees_buffer_when_done:
+            self.ctx.reducing = group  # the next post-backward waits for it, bounding memory
         if group.reshard_after_backward:
             group.reshard()
 

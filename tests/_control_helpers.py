@@ -68,6 +68,7 @@ class Stack(nn.Module):
         self.layers = nn.ModuleList(Block() for _ in range(n_layers))
         self.out = nn.Linear(DIM, OUT_DIM)
         self.repeat = repeat  # indices of layers that run twice
+        self.skip: set[int] = set()  # indices of layers this forward leaves out (a dynamic order)
         self.extra_kind = extra
         if extra:
             self.extra = Block()
@@ -75,6 +76,8 @@ class Stack(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x) if hasattr(self, "emb") else self.inp(x)
         for i, layer in enumerate(self.layers):
+            if i in self.skip:
+                continue
             h = layer(h)
             if i in self.repeat:
                 h = layer(h)

@@ -87,6 +87,8 @@ def test_case_validation():
         Case("fsdp", "tiny", 1, True)
     with pytest.raises(ValueError, match="steps"):
         Settings(steps=0)
+    with pytest.raises(ValueError, match="optimizer"):
+        Settings(optimizer="fused")
 
 
 def test_quick_plan_is_the_documented_grid():
@@ -94,7 +96,9 @@ def test_quick_plan_is_the_documented_grid():
     assert [c.label for c in cases] == [
         "tiny ws2 rs=T fp32", "tiny ws2 rs=F fp32", "small ws2 rs=T fp32", "small ws2 rs=F fp32", "tiny ws2 replicate",
     ]  # fmt: skip
-    assert settings.steps <= 3
+    assert settings.steps <= 3 and settings.optimizer == "foreach"
+    _, settings = plan(build_parser().parse_args(["--quick", "--optimizer", "loop"]))
+    assert settings.optimizer == "loop"
     cases, _ = plan(build_parser().parse_args(["--models", "small", "--world-sizes", "4", "--reshard", "false", "--replicate-models", "none"]))
     assert [c.label for c in cases] == ["small ws4 rs=F fp32", "small ws4 rs=F bf16"]
 

@@ -16,6 +16,7 @@ import json
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
@@ -23,6 +24,7 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 import shardwise
 import shardwise.tracing
 from _control_helpers import Stack, Trio, batch, fsdp_modules, make_trio, mse, rank_gen, same_phases, shard_stack
+from shardwise.state import get_state
 from shardwise.testing import run_on_ranks
 
 TIMEOUT = 90
@@ -40,11 +42,16 @@ def R(fqn):
     return ("reshard", fqn)
 
 
-FORWARD = {  # expected unshard/reshard order in forward
-    "default": [U(""), U(L0), R(L0), U(L1), R(L1), U(L2), R(L2)],
-    "forward1": [U(""), U(L0), U(L1), R(L0), U(L2), R(L1), R(L2)],
-    "forward2": [U(""), U(L0), U(L1), U(L2), R(L0), R(L1), R(L2)],
-    "backward2": [U(""), U(L0), R(L0), U(L1), R(L1), U(L2), R(L2)],
+IN_TURN = [U(""), U(L0), R(L0), U(L1), R(L1), U(L2), R(L2)]  # each gathered in its own pre-forward
+ONE_AHEAD = [U(""), U(L0), U(L1), R(L0), U(L2), R(L1), R(L2)]  # each pre-forward also gathers the next
+FORWARD = {  # expected unshard/reshard order in forward: (first step, later steps)
+    # On CPU, later forwards prefetch the module that came next in the previous forward
+    # (shardwise.prefetch); the first has no order to follow yet.
+    "default": (IN_TURN, ONE_AHEAD),
+    "no_implicit": (IN_TURN, IN_TURN),
+    "forward1": (ONE_AHEAD, ONE_AHEAD),
+    "forward2": ([U(""), U(L0), U(L1), U(L2), R(L0), R(L1), R(L2)],) * 2,
+    "backward2": (IN_TURN, ONE_AHEAD),
 }
 
 
@@ -63,6 +70,9 @@ def _configure(mode: str, model: nn.Module) -> None:
         layers[0].set_modules_to_backward_prefetch([layers[2], layers[1]])
         layers[1].set_modules_to_backward_prefetch([layers[2]])
         model.set_modules_to_backward_prefetch([layers[0]])
+    elif mode == "no_implicit":  # an empty explicit list turns the implicit prefetch off
+        for module in (model, *layers):
+            module.set_modules_to_forward_prefetch([])
     elif mode == "embedding":
         model.emb.set_unshard_in_backward(False)
 
@@ -87,7 +97,7 @@ def _check_backward(mode: str, backward: list, where: str) -> None:
     post = [f for k, f in backward if k == "post_backward"]
     assert post[:3] == [L2, L1, L0], f"{where}: post_backward order {post}"
     assert sorted(post) == sorted(["", L0, L1, L2] + (["emb"] if mode == "embedding" else [])), where
-    if mode in ("default", "forward1", "forward2", "embedding"):  # implicit: one module ahead
+    if mode in ("default", "no_implicit", "forward1", "forward2", "embedding"):  # implicit: one module ahead
         _before(backward, U(L2), U(L1), where)
         _before(backward, U(L1), ("post_backward", L2), where)
         _before(backward, ("post_backward", L2), U(L0), where)
@@ -143,7 +153,8 @@ def _schedule(mode: str, trace_dir: str) -> None:
         assert kinds == set(KINDS), f"{where}: trace kinds {kinds}"
         forward = t.of("unshard", "reshard")[: sum(1 for e in t.events[:n_forward] if e.kind in ("unshard", "reshard"))]
         if mode in FORWARD:
-            assert forward == FORWARD[mode], f"{where}: forward schedule {forward}, expected {FORWARD[mode]}"
+            expected = FORWARD[mode][min(step, 1)]
+            assert forward == expected, f"{where}: forward schedule {forward}, expected {expected}"
         backward = [(e.kind, e.fqn) for e in t.events[n_forward:]]
         _check_backward(mode, backward, where)
 
@@ -170,9 +181,56 @@ def _schedule(mode: str, trace_dir: str) -> None:
     assert [r["ts"] for r in records] == sorted(r["ts"] for r in records)
 
 
-@pytest.mark.parametrize("mode", ["default", "forward1", "forward2", "backward2", "wrong", "embedding"])
+@pytest.mark.parametrize("mode", ["default", "no_implicit", "forward1", "forward2", "backward2", "wrong", "embedding"])
 def test_prefetch_schedule(mode, tmp_path):
     run_on_ranks(_schedule, 2, mode, str(tmp_path), timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------- implicit prefetch, changing order
+
+
+def _order_changes() -> None:
+    """The implicit forward prefetch follows the previous forward's order. When a module of
+    that order does not run (a no-grad pass that skips ``layers.1``), its prefetched params
+    are resharded at the root's post-forward: with no backward to reshard them, an
+    optimizer step before the next forward would otherwise leave ``layers.1`` computing
+    with stale params. The root (``reshard_after_forward=False``) stays gathered after the
+    no-grad pass by design; the step changes its shards, so its next forward gathers again
+    (``ParamGroup._gathered_stale``). Parity with the replica after every pass; torch's
+    FSDP2 is left out: it computes the next forward with the root's stale params."""
+    ours, _, ref = make_trio(Stack, shard_stack, with_torch=False)
+    trio = Trio(ours, None, ref)
+    gen = rank_gen()
+    for step, train_skip in enumerate([set(), set(), {1}, set()]):
+        where = f"step {step}, rank {dist.get_rank()}"
+        xy = batch(gen)
+        for model in trio.models.values():
+            model.skip = train_skip
+        trio.run(lambda model, rec: _forward_backward(model, rec, xy), optimize=False)
+        for model in trio.models.values():
+            model.skip = {1}
+        with torch.no_grad(), shardwise.trace() as t:  # an eval pass between backward and step
+            outputs = [model(xy[0]) for model in trio.models.values()]
+        for other in outputs[1:]:
+            torch.testing.assert_close(outputs[0], other, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
+        prefetched = U(L1) in t.of("unshard")  # the training pass ran layers.1: it is next after layers.0
+        assert prefetched == (not train_skip), f"{where}: {t.of()}"
+        gathered = [i for i, layer in enumerate(ours.layers) if get_state(layer).group.gathered_or_gathering]
+        assert not gathered, f"{where}: the eval pass left blocks {gathered} gathered (or gathering)"
+        for opt in trio.opts.values():
+            opt.step()
+
+
+def _forward_backward(model, rec, xy):
+    loss = mse(model, xy)
+    rec.mark("forward")
+    loss.backward()
+    rec.mark("backward")
+    return loss
+
+
+def test_implicit_prefetch_when_the_order_changes():
+    run_on_ranks(_order_changes, 2, timeout=TIMEOUT)
 
 
 # ---------------------------------------------------------------- validation

@@ -18,7 +18,8 @@ exactly what torch's ``fully_shard`` or shardwise sent, without patching either:
     assert (comm.snapshot() - forward).count("reduce_scatter") == 3
 
 Payload bytes follow :mod:`shardwise.comm_stats`: the all-gather output, the
-reduce-scatter input, the all-reduce buffer, the all-to-all input, the broadcast buffer.
+reduce-scatter input, the all-reduce buffer, the all-to-all input (plus the chunk a rank
+kept for itself, when its split sizes leave exactly that one out), the broadcast buffer.
 Tensor subclasses (DTensor) are let through to desugar first (``NotImplemented``), so
 the collectives they issue are counted as plain ops, once.
 """
@@ -204,7 +205,20 @@ def _event(func, rule: _Rule, args: tuple, kwargs: dict) -> CommEvent:
     group_size = _group_size(bound)
     if rule.times_group_size:
         payload *= group_size
+    if rule.kind == "all_to_all":
+        payload += _self_chunk_bytes(bound, payload)
     return CommEvent(rule.kind, str(func), payload, group_size)
+
+
+def _self_chunk_bytes(bound: Mapping[str, Any], input_bytes: int) -> int:
+    """The chunk an all-to-all left out of its input because it was its own (split sizes
+    all equal but one zero): counted back in, so the payload is the full N-chunk exchange,
+    the same as the reduce-scatter that shardwise's all-to-all reduce replaces."""
+    splits = [int(s) for s in bound.get("input_split_sizes") or ()]
+    nonzero = [s for s in splits if s]
+    if splits.count(0) != 1 or len(set(nonzero)) != 1:
+        return 0
+    return input_bytes // len(nonzero)
 
 
 def _bind(func, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -1,0 +1,78 @@
+"""Implicit forward prefetch: on CPU, gather the next module while this one computes.
+
+On CUDA the host runs ahead of the device, so the all-gather a module's pre-forward
+issues is queued long before the device needs it and overlaps the previous module's
+kernels by itself. On CPU compute is synchronous: the all-gather of module i+1 is issued
+only when module i has finished computing, and the rank waits for it. So, where no
+explicit :meth:`~shardwise.FSDPModule.set_modules_to_forward_prefetch` list is set, the
+pre-forward of each module on a CPU device also starts the all-gather of the module that
+entered forward after it in the root's *previous* forward.
+
+The invariants, kept by :class:`ForwardPrefetcher`:
+
+* Only inside the root's forward: a submodule run on its own (or a loss head run after
+  the root's forward) neither records order nor prefetches, so it issues exactly the
+  collectives it would without prefetching.
+* Same collectives as without prefetching when the order repeats: a prefetch is the
+  all-gather that module's own pre-forward would issue, only earlier.
+* Nothing stays gathered by mistake: at the root's post-forward, a module that was
+  prefetched but did not run (the order changed) is resharded, so an optimizer step
+  before its next forward cannot leave it computing with stale parameters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardwise.state import ModuleState
+
+
+class ForwardPrefetcher:
+    """The root's forward order, recorded each forward and followed in the next."""
+
+    active: bool  # inside the root's forward
+    _order: list["ModuleState"]  # states with params, in the order this forward entered them
+    _next: dict[int, "ModuleState"]  # id(state) -> who entered after it in the last forward
+    _prefetched: list["ModuleState"]  # what this forward prefetched implicitly
+
+    def __init__(self) -> None:
+        self.active = False
+        self._order = []
+        self._next = {}
+        self._prefetched = []
+
+    def start(self) -> None:
+        """The root's pre-forward: the previous forward's order becomes the one to follow."""
+        if self._order:
+            self._next = {id(a): b for a, b in zip(self._order, self._order[1:])}
+        self._order = []
+        self._prefetched = []
+        self.active = True
+
+    def enter(self, state: "ModuleState") -> None:
+        """``state`` entered forward (its first member, once per pass)."""
+        if self.active and state.group is not None:
+            self._order.append(state)
+
+    def prefetch_after(self, state: "ModuleState") -> None:
+        """Start the all-gather of the state that followed ``state`` last time, if any."""
+        target = self._next.get(id(state)) if self.active else None
+        if target is not None and target.group is not None and not target.group.gathered_or_gathering:
+            self._prefetched.append(target)
+            target.prefetch()
+
+    def finish(self) -> None:
+        """The root's post-forward: reshard what was prefetched but did not run."""
+        ran = {id(s) for s in self._order}
+        for state in self._prefetched:
+            if id(state) not in ran:
+                state.group.reshard()
+        self._prefetched = []
+        self.active = False
+
+    def abort(self) -> None:
+        """An exception ended the iteration: forget this forward (the groups are resharded)."""
+        self.active = False
+        self._order = []
+        self._prefetched = []
