@@ -67,6 +67,17 @@ def _padded_chunk_numel(t: torch.Tensor, num_shards: int) -> int:
     return rows * (t.numel() // t.size(0) if t.size(0) else 0)
 
 
+def free_storage(buffer: torch.Tensor) -> None:
+    """Release a finished collective's scratch buffer now.
+
+    gloo's worker thread keeps its reference to a work's tensors for a moment after the
+    work completes, so dropping ours frees the bytes at a time that depends on thread
+    scheduling, and the next buffer may be allocated first: a peak that varies from step
+    to step. Resizing the storage to 0 frees it at once (the work no longer reads it).
+    """
+    buffer.untyped_storage().resize_(0)
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
     """SUM-reduce-scatter ``input`` (N*Pg,) into our ``output`` (Pg,).
 
@@ -125,8 +136,16 @@ class _SumOnWait:
             self._work.wait()
             for addend in self._addends:  # (Pg,) each; 2 ranks: our own row, else the received ones
                 self._output.add_(addend)
+            if len(self._addends) > 1:  # the (N-1, Pg) receive buffer
+                free_storage(self._addends[0])
             self._work = self._addends = None
         return True
+
+
+def all_to_all_receive_buffer(group: dist.ProcessGroup) -> bool:
+    """Whether :func:`reduce_scatter` over ``group`` allocates a receive buffer besides its
+    output (the all-to-all reduce over more than 2 ranks)."""
+    return use_all_to_all_reduce(group) and dist.get_world_size(group) > 2
 
 
 def use_all_to_all_reduce(group: dist.ProcessGroup) -> bool:

@@ -45,6 +45,7 @@ class _PendingGather:
     work: object | None  # c10d Work, None when no collective was needed
     gathered: torch.Tensor  # (n*P',) rank-major all-gather output
     num_shards: int  # n: ranks gathered over (N, or k after an int reshard)
+    scratch: list[torch.Tensor] = dataclasses.field(default_factory=list)  # ours to free once copied out
 
 
 class ParamGroup:
@@ -247,7 +248,7 @@ class ParamGroup:
         else:
             gathered = self._gather_output(n)
             work = self.all_gather_comm(gathered, gather_input, group, async_op=True)
-            self._pending_gather = _PendingGather(work, gathered, n)
+            self._pending_gather = _PendingGather(work, gathered, n, self._gather_scratch(gathered, gather_input))
         if not async_op:
             self.wait_for_unshard()
 
@@ -261,6 +262,15 @@ class ParamGroup:
         """Whether a sharded param changed since the last all-gather (an optimizer step, a
         checkpoint load). Aliased params (``replicate``) are the shard: never stale."""
         return self._unsharded_flat is not self._flat_shard and self._shard_version() != self._gathered_version
+
+    def _gather_scratch(self, gathered: torch.Tensor, gather_input: torch.Tensor) -> list[torch.Tensor]:
+        """The buffers of this all-gather that die at copy-out: a cast/offload copy of the
+        shard or the post-forward shard (the input), and our own output buffer (a custom
+        comm's output is its own memory: left to it)."""
+        scratch = [] if gather_input is self._flat_shard else [gather_input]
+        if gathered is not self._segments[0] and isinstance(self.all_gather_comm, collectives.DefaultAllGather):
+            scratch.append(gathered)
+        return scratch
 
     def _gather_output(self, n: int) -> torch.Tensor:
         # A one-param group gathered over all N ranks lands in its unsharded layout directly.
@@ -289,6 +299,8 @@ class ParamGroup:
             n = pending.num_shards
             sizes = [p.gathered_numel() // n for p in self.params]
             collectives.copy_out(pending.gathered, n, sizes, self._segments)
+        for buffer in pending.scratch:
+            collectives.free_storage(buffer)
         self._post_forward_shard = None
         for p, segment in zip(self.params, self._segments):
             p.finish_copy_out(segment)

@@ -39,6 +39,7 @@ class _PendingReduce:
     post_divide: float
     packed: torch.Tensor  # (N, Pg), kept alive until the collective is done
     all_reduced: bool = False  # replicate-only: the all-reduce was the collective in flight
+    receive_buffer: bool = False  # the collective holds a receive buffer besides ``reduced``
 
 
 class GradReducer:
@@ -86,6 +87,16 @@ class GradReducer:
         With shard size 1 (``replicate``) the packed buffer *becomes* the gradients, so every
         group's all-reduce stays in flight until the end of backward, as DDP's buckets do."""
         return self.group.mesh_info.shard_size > 1
+
+    @property
+    def holds_receive_buffer(self) -> bool:
+        """Whether the reduction in flight holds a receive buffer besides its output: gloo's
+        all-to-all reduce over more than 2 ranks, (N-1, Pg). The next group's pre-backward
+        then finishes it before gathering, so that buffer never coexists with a copy-out
+        (where a step's memory peaks): the live buffers are then those of FSDP2, which
+        reduce-scatters synchronously on gloo. Over 2 ranks the one received chunk lands in
+        the output, and the reduction overlaps the next group's backward."""
+        return self._pending is not None and self._pending.receive_buffer
 
     # ---- gradients --------------------------------------------------------------------
 
@@ -158,7 +169,8 @@ class GradReducer:
         reduced = comm.allocate((packed.size(1),), dtype=dtype, device=packed.device)
         pg = self.reduce_scatter_group or mesh_info.shard_group
         work = comm(reduced, packed.view(-1), pg, dist.ReduceOp.SUM, async_op=True)
-        self._pending = _PendingReduce(work, reduced, params, plan.post_divide, packed)
+        receive_buffer = isinstance(comm, collectives.DefaultReduceScatter) and collectives.all_to_all_receive_buffer(pg)
+        self._pending = _PendingReduce(work, reduced, params, plan.post_divide, packed, receive_buffer=receive_buffer)
 
     def _start_without_shards(self, params, packed: torch.Tensor, post_divide: float) -> _PendingReduce:
         """Shard size 1: nothing to reduce-scatter; replicate issues its all-reduce right away
@@ -180,6 +192,8 @@ class GradReducer:
         self._pending = None
         if pending.work is not None:
             pending.work.wait()
+        if self.group.mesh_info.shard_size > 1:  # else the packed buffer is the gradient itself
+            collectives.free_storage(pending.packed)
         pending = self._all_reduce_or_defer(pending)
         if pending is None:
             return

@@ -217,9 +217,9 @@ class ModuleState(_State):
             self._enter_forward()
         if self.group is not None:
             self.group.training_state = TrainingState.FORWARD
-            self.group.unshard()
+            self.group.unshard(async_op=True)
+            self._prefetch_forward()  # queued behind our own all-gather, before we wait for it
             self.group.wait_for_unshard()
-            self._prefetch_forward()
         if torch.is_grad_enabled():
             if self.ctx.iter_root is None:
                 self.ctx.iter_root = self
@@ -307,10 +307,13 @@ class ModuleState(_State):
         if self.group is None:
             return
         self.group.training_state = TrainingState.PRE_BACKWARD
+        reducing = self.ctx.reducing
+        if reducing is not None and reducing is not self.group and reducing.reducer.holds_receive_buffer:
+            reducing.finish_reduce()  # its receive buffer never meets our copy-out (the step's peak)
         if self.group.unshard_in_backward:
             self.group.unshard()
             self.group.wait_for_unshard()
-        self._prefetch_backward()
+        self._prefetch_backward()  # after our copy-out: its gather buffer never coexists with ours
 
     def _prefetch_backward(self) -> None:
         if self.backward_prefetch is not None:
@@ -331,7 +334,11 @@ class ModuleState(_State):
         group.unshard(async_op=True)
 
     def post_backward(self) -> None:
-        """This state's grads are complete: start their reduction and reshard."""
+        """This state's grads are complete: reshard, then start their reduction.
+
+        Resharding first frees the unsharded params before the grads are packed (the
+        grads are separate tensors, untouched by a reshard), so the two never coexist.
+        """
         group = self.group
         if group is None:
             return
@@ -340,11 +347,11 @@ class ModuleState(_State):
         previous = self.ctx.reducing if self.ctx is not None else None
         if previous is not None and previous is not group:
             previous.finish_reduce()
+        if group.reshard_after_backward:
+            group.reshard()
         group.reduce_grads()
         if self.ctx is not None and group.reducer.frees_buffer_when_done:
             self.ctx.reducing = group  # the next post-backward waits for it, bounding memory
-        if group.reshard_after_backward:
-            group.reshard()
 
     def finish_iteration(self, wait_for_reductions: bool) -> None:
         """End of backward: wait for our reduction, reshard, return to IDLE."""

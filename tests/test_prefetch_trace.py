@@ -44,14 +44,15 @@ def R(fqn):
 
 IN_TURN = [U(""), U(L0), R(L0), U(L1), R(L1), U(L2), R(L2)]  # each gathered in its own pre-forward
 ONE_AHEAD = [U(""), U(L0), U(L1), R(L0), U(L2), R(L1), R(L2)]  # each pre-forward also gathers the next
+TWO_AHEAD = [U(""), U(L0), U(L1), U(L2), R(L0), R(L1), R(L2)]  # ... and the one after
 FORWARD = {  # expected unshard/reshard order in forward: (first step, later steps)
-    # On CPU, later forwards prefetch the module that came next in the previous forward
-    # (shardwise.prefetch); the first has no order to follow yet.
-    "default": (IN_TURN, ONE_AHEAD),
+    # On CPU, later forwards prefetch the two modules that came next in the previous
+    # forward (shardwise.prefetch.DEPTH); the first has no order to follow yet.
+    "default": (IN_TURN, TWO_AHEAD),
     "no_implicit": (IN_TURN, IN_TURN),
-    "forward1": (ONE_AHEAD, ONE_AHEAD),
-    "forward2": ([U(""), U(L0), U(L1), U(L2), R(L0), R(L1), R(L2)],) * 2,
-    "backward2": (IN_TURN, ONE_AHEAD),
+    "forward1": (ONE_AHEAD, [U(""), U(L0), U(L1), R(L0), U(L2), R(L1), R(L2)]),
+    "forward2": (TWO_AHEAD, TWO_AHEAD),
+    "backward2": (IN_TURN, TWO_AHEAD),
 }
 
 
