@@ -62,6 +62,28 @@ def pack_for_reduce(chunked_grads: list[torch.Tensor], num_shards: int, dtype: t
     return torch._chunk_cat(chunked_grads, dim=0, num_chunks=num_shards, out=packed)
 
 
+def pack_dividing(grads: list[torch.Tensor], dtype: torch.dtype, divisor: float) -> torch.Tensor:
+    """Shard size 1: concatenate the gradients into one (1, P) buffer, each divided by
+    ``divisor`` on the way (cast to ``dtype`` too).
+
+    One pass over the gradients instead of a copy and a separate division of the whole
+    buffer, as DDP divides while copying into its buckets. ``sum(g / N)`` equals
+    ``sum(g) / N`` bit for bit when N is a power of two; otherwise within an ulp.
+    """
+    packed = torch.empty(1, sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
+    flat = packed.view(-1)
+    offset = 0
+    for grad in grads:
+        numel = grad.numel()
+        out = flat[offset : offset + numel].view(grad.shape)
+        if grad.dtype == dtype:
+            torch.div(grad, divisor, out=out)
+        else:  # divide in the reduce dtype, not the gradient's (bf16 -> fp32 keeps fp32 precision)
+            out.copy_(grad).div_(divisor)
+        offset += numel
+    return packed
+
+
 def _padded_chunk_numel(t: torch.Tensor, num_shards: int) -> int:
     rows = -(-t.size(0) // num_shards) if t.size(0) else 0
     return rows * (t.numel() // t.size(0) if t.size(0) else 0)
@@ -211,17 +233,23 @@ class ReducePlan(NamedTuple):
     post_divide: float
 
 
-def plan_reduction(dtype: torch.dtype, world: int, divide_factor: float | None) -> ReducePlan:
+def plan_reduction(dtype: torch.dtype, world: int, divide_factor: float | None, shard_size: int) -> ReducePlan:
     """How to turn a SUM over ``world`` ranks into the gradient the user expects.
 
     Default: the mean (divide by ``world``). ``divide_factor``: divide by it instead. fp16
     splits the divisor into a power of two before the sum and the rest after, so the
     partial sums stay in range. Collectives are always SUMs (gloo has no AVG/PREMUL_SUM),
     which is also what ``set_force_sum_reduction_for_comms`` asks for.
+
+    With ``shard_size`` 1 (replicate) the reduced buffer is the whole gradient, so a
+    post-divide would be a second pass over it: the division happens before the sum
+    instead, fused into packing (:func:`pack_dividing`), as DDP divides into its buckets.
     """
     factor = float(world if divide_factor is None else divide_factor)
     if dtype == torch.float16 and factor > 1:
         pre = float(2 ** math.ceil(math.log2(math.sqrt(factor))))
         pre = min(pre, factor)
         return ReducePlan(pre, factor / pre)
+    if shard_size == 1:
+        return ReducePlan(factor, 1.0)
     return ReducePlan(1.0, factor)

@@ -4,7 +4,8 @@ One synced backward of a group::
 
     take grads   unsharded .grad (+ what accumulated while sync was off), in reduce_dtype
     pack         (N, Pg) rank-major, each grad split like torch.chunk and padded
-    pre-divide   (fp16 only: a power of two, to keep partial sums in range)
+    pre-divide   (fp16: a power of two, to keep partial sums in range; shard size 1:
+                 the whole division, fused into the packing copy, as DDP does)
     reduce       SUM reduce-scatter over the shard group -> our (Pg,) shard     [async]
     finish       wait; HSDP: SUM all-reduce over the replicate group; post-divide;
                  all-reduce hook; accumulate into each sharded param's .grad DTensor
@@ -153,14 +154,8 @@ class GradReducer:
         mesh_info = group.mesh_info
         n = mesh_info.shard_size
         dtype = self._reduce_dtype(grads[0].dtype)
-        chunked = [p.grad_as_chunks(g) for p, g in zip(params, grads)]
-        grads.clear()  # the unsharded grads die as soon as they are packed
-        packed = collectives.pack_for_reduce(chunked, n, dtype)  # (N, Pg) in reduce_dtype
-        del chunked
-        world = n * mesh_info.replicate_size
-        plan = collectives.plan_reduction(dtype, world, self.divide_factor)
-        if plan.pre_divide != 1.0:
-            packed.div_(plan.pre_divide)
+        plan = collectives.plan_reduction(dtype, n * mesh_info.replicate_size, self.divide_factor, n)
+        packed = _pack(params, grads, dtype, plan.pre_divide)  # (N, Pg) in reduce_dtype
         tracing.emit("reduce", group.fqn, group.training_state.value)
         if n == 1:
             self._pending = self._start_without_shards(params, packed, plan.post_divide)
@@ -239,6 +234,24 @@ class GradReducer:
             p.unsharded_accumulated_grad = None
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
+
+
+def _pack(params: list[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype, pre_divide: float) -> torch.Tensor:
+    """Pack ``grads`` (emptying the list, so they die once copied) into the (N, Pg) reduce
+    input in ``dtype``, divided by ``pre_divide``. Shard size 1 has nothing to lay out
+    rank-major: concatenating and dividing is one pass."""
+    n = params[0].num_shards
+    if n == 1:
+        packed = collectives.pack_dividing(grads, dtype, pre_divide)
+        grads.clear()
+        return packed
+    chunked = [p.grad_as_chunks(g) for p, g in zip(params, grads)]
+    grads.clear()
+    packed = collectives.pack_for_reduce(chunked, n, dtype)
+    del chunked
+    if pre_divide != 1.0:
+        packed.div_(pre_divide)
+    return packed
 
 
 def _accumulate_sharded_grad(p: ShardedParam, shard: torch.Tensor) -> None:
