@@ -345,9 +345,12 @@ def _check_no_pg_allocation(group: ParamGroup, setter: str) -> None:
 
 
 def _separate_group(group: ParamGroup, created: dict) -> dist.ProcessGroup:
+    """One group per distinct set of shard ranks; a group that already has one keeps it
+    (enabling twice creates nothing new)."""
     ranks = tuple(dist.get_process_group_ranks(group.mesh_info.shard_group))
     if ranks not in created:
-        created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        existing = group.reducer.reduce_scatter_group
+        created[ranks] = existing or dist.new_group(list(ranks), use_local_synchronization=True)
     return created[ranks]
 
 

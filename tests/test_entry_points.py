@@ -296,6 +296,9 @@ def _reduce_scatter_knobs(knob: str) -> None:
         ours, theirs, ref = make_trio(Stack, shard_stack)
         for model in (ours, theirs):
             model.set_separate_reduce_scatter_group(True)
+        groups_before = len(dist.distributed_c10d._world.pg_map)
+        ours.set_separate_reduce_scatter_group(True)  # idempotent, as torch's: no new group
+        assert len(dist.distributed_c10d._world.pg_map) == groups_before
         for res in _train(Trio(ours, theirs, ref)):
             groups = {g for kind, _, g in res.ours.phase_events("backward") if kind == "reduce_scatter"}
             assert groups == {dist.get_world_size()}, groups

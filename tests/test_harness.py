@@ -121,6 +121,23 @@ def test_meshes_and_new_groups_work_and_are_destroyed_after_each_task():
     assert {dp_size for _, _, dp_size in second} == {2}
 
 
+def test_locally_synchronized_groups_can_be_recreated_in_later_tasks():
+    # new_group(use_local_synchronization=True) names a group after its ranks and the number
+    # of live groups, so once the harness destroys it the next task's group gets the same
+    # name; its gloo rendezvous must not read the destroyed group's addresses from the store.
+    for _ in range(3):
+        assert run_on_ranks(_local_group_all_reduce, 2, timeout=30) == [2.0, 2.0]
+
+
+def _local_group_all_reduce():
+    if dist.get_rank() == 1:
+        time.sleep(0.5)  # rank 0 rendezvouses first, while rank 1's old address is in the store
+    group = dist.new_group([0, 1], use_local_synchronization=True)
+    total = torch.ones(1)
+    dist.all_reduce(total, group=group)
+    return total.item()
+
+
 @pytest.mark.parametrize("value", [3])
 @multirank(2, timeout=30)
 def test_multirank_decorator_runs_the_body_on_every_rank(value):
@@ -178,6 +195,20 @@ def test_rank_exception_surfaces_with_traceback_and_peer_stacks():
 def test_a_rank_process_that_dies_is_a_rank_failure():
     with pytest.raises(RankFailure, match=r"rank 0 process \(pid \d+\) died with exit code 3"):
         run_on_ranks(_exit_hard, 1, timeout=30)
+
+
+def test_a_rank_that_crashes_shows_where_it_was():
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_segfault, 1, timeout=30)
+    message = str(info.value)
+    assert "died with exit code -11" in message
+    assert "Segmentation fault" in message and "in _segfault" in message, message
+
+
+def _segfault():
+    import ctypes
+
+    ctypes.string_at(0)  # reads address 0: SIGSEGV
 
 
 def _assert_gone(pids):

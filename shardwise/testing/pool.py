@@ -251,10 +251,13 @@ class RankPool:
     def _death_reply(self, rank: int, task_id: int) -> Reply:
         proc = self._procs[rank]
         proc.join(1.0)
+        stacks = stack_dump.read_all(self._stack_path(rank)).strip()
         error = (
             f"rank {rank} process (pid {self._pids[rank]}) died with exit code {proc.exitcode}; "
             "its last words, if any, are in the captured stderr\n"
         )
+        if stacks:
+            error += f"where its threads were when it died:\n{stacks}\n"
         return Reply(task_id=task_id, rank=rank, ok=False, value=b"", error=error)
 
     def _fail(self, name: str, replies: dict[int, Reply], timeout: float) -> NoReturn:

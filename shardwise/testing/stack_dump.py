@@ -32,10 +32,17 @@ _SETTLE_S = 0.1
 
 
 def install(path: str) -> None:
-    """In a rank process: dump all threads' Python stacks to ``path`` on SIGUSR1."""
+    """In a rank process: dump all threads' Python stacks to ``path`` on SIGUSR1, and on
+    a fatal signal (SIGSEGV, SIGABRT, ...) just before the process dies."""
     global _DUMP_FILE
     _DUMP_FILE = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives with the process
     faulthandler.register(signal.SIGUSR1, file=_DUMP_FILE, all_threads=True, chain=False)
+    faulthandler.enable(file=_DUMP_FILE, all_threads=True)
+
+
+def read_all(path: str) -> str:
+    """Everything a rank dumped so far: for a rank that died, its fatal-signal stacks."""
+    return _read_from(path, 0)
 
 
 def collect(targets: Mapping[int, tuple[int, str]], wait_s: float = 3.0) -> dict[int, str]:

@@ -7,8 +7,8 @@ The parent (:class:`shardwise.testing.pool.RankPool`) spawns one process per ran
    ``init_process_group("gloo", ...)`` over loopback, send :class:`Ready`;
 2. per task: receive :class:`Task`, reset the cheap per-process knobs (one intra-op
    thread, ``torch.manual_seed(0)``, grad mode, default dtype), all-gather the task id
-   to prove every rank is at the same task, run ``fn(*args, **kwargs)``, destroy any
-   process group the task created, send :class:`Reply`;
+   to prove every rank is at the same task, give the task its own store namespace, run
+   ``fn(*args, **kwargs)``, destroy any process group the task created, send :class:`Reply`;
 3. on ``None`` or a closed pipe: destroy the default group and exit at once.
 
 Values cross the pipe as ``pickle`` bytes made here, not by ``multiprocessing``'s own
@@ -41,6 +41,8 @@ from shardwise.testing import stack_dump
 _log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+_POOL_STORE: dist.Store | None = None  # the default group's own store, before any task prefix
 
 
 class WorkerSpec(NamedTuple):
@@ -158,6 +160,7 @@ def _run_task(task: Task, rank: int) -> Reply:
         _reset_per_task_state()
         _extend_sys_path(task.sys_path)
         _check_same_task(task.task_id, rank)
+        _give_task_its_own_store_namespace(task.task_id)
         groups_before = set(distributed_c10d._world.pg_map)
         fn, args, kwargs = pickle.loads(task.payload)
         value = pickle.dumps(fn(*args, **kwargs))
@@ -195,6 +198,24 @@ def _check_same_task(task_id: int, rank: int) -> None:
             f"rank {rank} is starting task {task_id} but the ranks report tasks {everyone.tolist()}: "
             "the ranks are out of step (a previous task left a collective unmatched)"
         )
+
+
+def _give_task_its_own_store_namespace(task_id: int) -> None:
+    """Point the default group's store (where new groups rendezvous) at a fresh prefix.
+
+    ``new_group(use_local_synchronization=True)`` names a group after its ranks and the
+    number of live groups, so a task's group can get the name of one an earlier task made
+    and the harness destroyed. gloo's rendezvous would then find the destroyed group's
+    addresses under that name in the pool's long-lived store and connect to dead ports
+    (connection refused, or worse, another group's listener). One prefix per task keeps
+    every task's keys apart; the default group itself no longer reads the store.
+    """
+    global _POOL_STORE
+    default = distributed_c10d._get_default_group()
+    backend, store = distributed_c10d._world.pg_map[default]
+    if _POOL_STORE is None:
+        _POOL_STORE = store
+    distributed_c10d._world.pg_map[default] = (backend, dist.PrefixStore(f"task{task_id}/", _POOL_STORE))
 
 
 def _destroy_groups_created_since(groups_before: set) -> None:
