@@ -62,15 +62,18 @@ def pack_for_reduce(chunked_grads: list[torch.Tensor], num_shards: int, dtype: t
     return torch._chunk_cat(chunked_grads, dim=0, num_chunks=num_shards, out=packed)
 
 
-def pack_dividing(grads: list[torch.Tensor], dtype: torch.dtype, divisor: float) -> torch.Tensor:
+def pack_dividing(
+    grads: list[torch.Tensor], dtype: torch.dtype, divisor: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Shard size 1: concatenate the gradients into one (1, P) buffer, each divided by
-    ``divisor`` on the way (cast to ``dtype`` too).
+    ``divisor`` on the way (cast to ``dtype`` too); into ``out`` when given.
 
     One pass over the gradients instead of a copy and a separate division of the whole
     buffer, as DDP divides while copying into its buckets. ``sum(g / N)`` equals
     ``sum(g) / N`` bit for bit when N is a power of two; otherwise within an ulp.
     """
-    packed = torch.empty(1, sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
+    numel = sum(g.numel() for g in grads)
+    packed = torch.empty(1, numel, dtype=dtype, device=grads[0].device) if out is None else out.view(1, numel)
     flat = packed.view(-1)
     offset = 0
     for grad in grads:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise import collectives, tracing
+from shardwise.buffers import ReusableBuffer
 from shardwise.param import ShardedParam
 
 if TYPE_CHECKING:  # the group owns its reducer; the reducer only points back weakly
@@ -57,6 +58,7 @@ class GradReducer:
     max_input_buffers: int  # scheduling only: how many packed buffers may be in flight
     _pending: _PendingReduce | None
     _partial: _PendingReduce | None  # HSDP shard reduced but not yet all-reduced
+    _grad_buffer: ReusableBuffer  # shard size 1: the buffer the gradients live in
 
     def __init__(self, group: "ParamGroup"):
         self._group_ref = weakref.ref(group)
@@ -71,6 +73,7 @@ class GradReducer:
         self.max_input_buffers = 1
         self._pending = None
         self._partial = None
+        self._grad_buffer = ReusableBuffer()
 
     @property
     def group(self) -> "ParamGroup":
@@ -155,7 +158,7 @@ class GradReducer:
         n = mesh_info.shard_size
         dtype = self._reduce_dtype(grads[0].dtype)
         plan = collectives.plan_reduction(dtype, n * mesh_info.replicate_size, self.divide_factor, n)
-        packed = _pack(params, grads, dtype, plan.pre_divide)  # (N, Pg) in reduce_dtype
+        packed = self._pack(params, grads, dtype, plan.pre_divide)  # (N, Pg) in reduce_dtype
         tracing.emit("reduce", group.fqn, group.training_state.value)
         if n == 1:
             self._pending = self._start_without_shards(params, packed, plan.post_divide)
@@ -235,16 +238,29 @@ class GradReducer:
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
 
+    def _pack(
+        self, params: list[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype, pre_divide: float
+    ) -> torch.Tensor:
+        """Pack ``grads`` (emptying the list, so they die once copied) into the (N, Pg) reduce
+        input in ``dtype``, divided by ``pre_divide``.
 
-def _pack(params: list[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype, pre_divide: float) -> torch.Tensor:
-    """Pack ``grads`` (emptying the list, so they die once copied) into the (N, Pg) reduce
-    input in ``dtype``, divided by ``pre_divide``. Shard size 1 has nothing to lay out
-    rank-major: concatenating and dividing is one pass."""
-    n = params[0].num_shards
-    if n == 1:
-        packed = collectives.pack_dividing(grads, dtype, pre_divide)
+        Shard size 1 has nothing to lay out rank-major: concatenating and dividing is one
+        pass, into the buffer the previous step's gradients lived in once they are all
+        dropped (:class:`~shardwise.buffers.ReusableBuffer`), as DDP keeps its buckets.
+        """
+        if params[0].num_shards > 1:
+            return _pack_rank_major(params, grads, dtype, pre_divide)
+        out = self._grad_buffer.get(sum(g.numel() for g in grads), dtype, grads[0].device)
+        packed = collectives.pack_dividing(grads, dtype, pre_divide, out=out)
         grads.clear()
         return packed
+
+
+def _pack_rank_major(
+    params: list[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype, pre_divide: float
+) -> torch.Tensor:
+    """Shard size N > 1: split each grad like ``torch.chunk`` and lay the chunks out rank-major."""
+    n = params[0].num_shards
     chunked = [p.grad_as_chunks(g) for p, g in zip(params, grads)]
     grads.clear()
     packed = collectives.pack_for_reduce(chunked, n, dtype)
