@@ -72,8 +72,9 @@ def pack_dividing(
     buffer, as DDP divides while copying into its buckets. ``sum(g / N)`` equals
     ``sum(g) / N`` bit for bit when N is a power of two; otherwise within an ulp.
     """
-    numel = sum(g.numel() for g in grads)
-    packed = torch.empty(1, numel, dtype=dtype, device=grads[0].device) if out is None else out.view(1, numel)
+    if out is None:
+        out = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
+    packed = out.view(1, -1)
     flat = packed.view(-1)
     offset = 0
     for grad in grads:
