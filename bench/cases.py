@@ -8,9 +8,13 @@ precision:
   passed explicitly to every call (so the root reshards too when it is True).
 - ``kind="replicate"``: ``shardwise.replicate`` per block and root vs torch's
   ``DistributedDataParallel`` on the whole model; fp32 only, no resharding.
+- ``kind="torch_replicate"``: the same ``shardwise.replicate`` vs the API it reimplements,
+  torch's ``replicate`` (``torch.distributed._composable.replicate_with_fsdp``), applied
+  the same way, per block and root; fp32 only.
 
 The full grid is model x world size x reshard x dtype for fsdp, plus model x world size
-for replicate; ``--quick`` is the small corner of it that finishes in under two minutes.
+x peer (DDP, torch's replicate) for replicate; ``--quick`` is the small corner of it that
+finishes in under two minutes.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from typing import Iterable
 
 from shardwise.train.model import PRESETS
 
-__all__ = ["KINDS", "DTYPES", "Case", "Settings", "fsdp_cases", "replicate_cases"]
+__all__ = ["KINDS", "REPLICATE_PEERS", "DTYPES", "Case", "Settings", "fsdp_cases", "replicate_cases"]
 
-KINDS = ("fsdp", "replicate")
+KINDS = ("fsdp", "replicate", "torch_replicate")
+REPLICATE_PEERS = {"ddp": "replicate", "torch": "torch_replicate"}
+"""``--replicate-peers`` value -> the case kind comparing shardwise.replicate with that peer."""
 DTYPES = ("fp32", "bf16")
 
 
@@ -31,7 +37,8 @@ class Case:
     """One side-by-side comparison; validated on construction."""
 
     kind: str
-    """``fsdp`` (fully_shard vs torch fully_shard) or ``replicate`` (replicate vs DDP)."""
+    """``fsdp`` (fully_shard vs torch fully_shard), ``replicate`` (replicate vs DDP) or
+    ``torch_replicate`` (replicate vs torch's replicate)."""
     model: str
     """GPT preset: ``tiny`` (~1M), ``small`` (~10M) or ``medium`` (~50M parameters)."""
     world_size: int
@@ -52,14 +59,17 @@ class Case:
             raise ValueError(f"Case.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kind == "fsdp" and not isinstance(self.reshard, bool):
             raise ValueError(f"an fsdp Case needs reshard=True/False, got {self.reshard!r}")
-        if self.kind == "replicate" and (self.reshard is not None or self.dtype != "fp32"):
-            raise ValueError(f"a replicate Case is fp32 with reshard=None, got dtype={self.dtype}, reshard={self.reshard}")
+        if self.kind != "fsdp" and (self.reshard is not None or self.dtype != "fp32"):
+            raise ValueError(f"a {self.kind} Case is fp32 with reshard=None, got dtype={self.dtype}, reshard={self.reshard}")
 
     @property
     def label(self) -> str:
-        """Short row name for the table, e.g. ``small ws4 rs=T bf16`` or ``tiny ws2 replicate``."""
+        """Short row name for the table, e.g. ``small ws4 rs=T bf16``, ``tiny ws2 replicate``
+        (vs DDP) or ``tiny ws2 vs torch replicate``."""
         if self.kind == "replicate":
             return f"{self.model} ws{self.world_size} replicate"
+        if self.kind == "torch_replicate":
+            return f"{self.model} ws{self.world_size} vs torch replicate"
         return f"{self.model} ws{self.world_size} rs={'T' if self.reshard else 'F'} {self.dtype}"
 
 
@@ -106,6 +116,6 @@ def fsdp_cases(models: Iterable[str], world_sizes: Iterable[int], reshards: Iter
     ]  # fmt: skip
 
 
-def replicate_cases(models: Iterable[str], world_sizes: Iterable[int]) -> list[Case]:
-    """replicate vs DDP for each model and world size (fp32)."""
-    return [Case("replicate", m, ws) for ws in world_sizes for m in models]
+def replicate_cases(models: Iterable[str], world_sizes: Iterable[int], peers: Iterable[str] = ("ddp",)) -> list[Case]:
+    """replicate vs each peer (``ddp``, ``torch``: :data:`REPLICATE_PEERS`) for each model and world size (fp32)."""
+    return [Case(REPLICATE_PEERS[peer], m, ws) for ws in world_sizes for m in models for peer in peers]

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.cases import DTYPES, OPTIMIZERS, Case, Settings, fsdp_cases, replicate_cases
+from bench.cases import DTYPES, OPTIMIZERS, REPLICATE_PEERS, Case, Settings, fsdp_cases, replicate_cases
 from bench.launch import launch
 from bench.report import format_profiles, format_table, summarise_case, write_json
 from shardwise.train.model import PRESETS
@@ -66,11 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     models = tuple(sorted(PRESETS))
     p.add_argument("--quick", action="store_true", help="tiny+small, 2 ranks, fp32, both reshard settings, replicate on tiny, 3 steps")
-    p.add_argument("--models", type=_csv(str, models), help="fully_shard models, e.g. tiny,small (full: tiny,small,medium)")
+    p.add_argument("--models", type=_csv(str, models + ("none",)), help="fully_shard models, e.g. tiny,small, or none (full: tiny,small,medium)")
     p.add_argument("--world-sizes", type=_csv(int, (2, 3, 4, 5, 6, 7, 8)), help="rank counts (full: 2,4)")
     p.add_argument("--dtypes", type=_csv(str, DTYPES), help="param dtypes: fp32,bf16 (bf16 reduces in fp32)")
     p.add_argument("--reshard", type=_csv(_bool, (True, False)), default=[True, False], help="reshard_after_forward values (default true,false)")
-    p.add_argument("--replicate-models", type=_csv(str, models + ("none",)), help="replicate-vs-DDP models, or none (full: the --models)")
+    p.add_argument("--replicate-models", type=_csv(str, models + ("none",)), help="replicate models, or none (full: the --models)")
+    p.add_argument(
+        "--replicate-peers",
+        type=_csv(str, tuple(REPLICATE_PEERS)),
+        default=list(REPLICATE_PEERS),
+        help="what shardwise.replicate is compared with: ddp (DistributedDataParallel), torch (torch's replicate); default both",
+    )
     p.add_argument("--steps", type=int, help="timed steps per implementation (full 10, quick 3)")
     p.add_argument("--warmup", type=int, help="untimed steps per implementation first (full 2, quick 1)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per step (default 1)")
@@ -97,9 +103,9 @@ def plan(args: argparse.Namespace) -> tuple[list[Case], Settings]:
 
     models, world_sizes = pick("models"), pick("world_sizes")
     replicate_models = pick("replicate_models") or models
-    cases = fsdp_cases(models, world_sizes, args.reshard, pick("dtypes"))
+    cases = [] if "none" in models else fsdp_cases(models, world_sizes, args.reshard, pick("dtypes"))
     if "none" not in replicate_models:
-        cases += replicate_cases(replicate_models, world_sizes)
+        cases += replicate_cases(replicate_models, world_sizes, args.replicate_peers)
     cases.sort(key=lambda c: c.world_size)  # stable: one launch per world size, grid order inside
     settings = Settings(warmup=pick("warmup"), steps=pick("steps"), batch_size=args.batch_size, seed=args.seed, profile=args.profile, optimizer=args.optimizer)
     return cases, settings

@@ -8,6 +8,8 @@ are identical and only the wrapper differs::
                 fully_shard(model, ...)                          # shardwise's, then torch's
     replicate:  for block in model.layers: replicate(block, mesh=...); replicate(model, mesh=...)
                 vs DistributedDataParallel(model)                # torch's bucketed all-reduce
+    torch_replicate: the same shardwise.replicate vs torch's replicate (replicate_with_fsdp),
+                applied per block and root in the same way       # the API shardwise reimplements
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 class Contender(NamedTuple):
     """One implementation under test."""
 
-    name: str  # "shardwise.fully_shard", "torch.fully_shard", "shardwise.replicate", "torch.DDP"
+    name: str  # "shardwise.fully_shard", "torch.fully_shard", "shardwise.replicate", "torch.DDP", "torch.replicate"
     model: nn.Module
     optimizer: torch.optim.Optimizer
 
@@ -76,14 +78,26 @@ def _torch_fsdp(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Cont
     return Contender("torch.fully_shard", model, make_optimizer(model, optimizer))
 
 
-def _shardwise_replicate(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Contender:
-    from shardwise import replicate
-
+def _replicate_with(replicate, case: Case, mesh: DeviceMesh, seed: int) -> nn.Module:
     model = build_plain(case.model, seed)
     for block in model.layers:
         replicate(block, mesh=mesh)
     replicate(model, mesh=mesh)
+    return model
+
+
+def _shardwise_replicate(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Contender:
+    from shardwise import replicate
+
+    model = _replicate_with(replicate, case, mesh, seed)
     return Contender("shardwise.replicate", model, make_optimizer(model, optimizer))
+
+
+def _torch_replicate(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Contender:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    model = _replicate_with(replicate, case, mesh, seed)
+    return Contender("torch.replicate", model, make_optimizer(model, optimizer))
 
 
 def _torch_ddp(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Contender:
@@ -97,4 +111,5 @@ def build_pair(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> tuple
     """``(shardwise, torch)`` for ``case`` on the 1-D CPU ``mesh``, from identical weights."""
     if case.kind == "fsdp":
         return _shardwise_fsdp(case, mesh, seed, optimizer), _torch_fsdp(case, mesh, seed, optimizer)
-    return _shardwise_replicate(case, mesh, seed, optimizer), _torch_ddp(case, mesh, seed, optimizer)
+    peer = _torch_replicate if case.kind == "torch_replicate" else _torch_ddp
+    return _shardwise_replicate(case, mesh, seed, optimizer), peer(case, mesh, seed, optimizer)

@@ -76,7 +76,7 @@ def theoretical_min(kind: str, n_params: int, world_size: int, reshard: bool | N
     """Minimum ring bytes per rank per step (see the module docstring for the formulas).
 
     Args:
-        kind: ``fsdp`` or ``replicate``.
+        kind: ``fsdp``, or ``replicate`` / ``torch_replicate`` (one all-reduce of the gradients).
         n_params: Ψ, the unsharded parameter count.
         world_size: N.
         reshard: ``reshard_after_forward`` (fsdp only): parameters are gathered twice when True.
@@ -84,10 +84,10 @@ def theoretical_min(kind: str, n_params: int, world_size: int, reshard: bool | N
         reduce_bytes: bytes per element of ``reduce_dtype`` (what the reductions move).
     """
     ring = (world_size - 1) / world_size
-    if kind == "replicate":
+    if kind in ("replicate", "torch_replicate"):
         return TheoryMin(0.0, 2 * n_params * reduce_bytes * ring)
     if kind != "fsdp":
-        raise ValueError(f"kind must be 'fsdp' or 'replicate', got {kind!r}")
+        raise ValueError(f"kind must be 'fsdp', 'replicate' or 'torch_replicate', got {kind!r}")
     gathers = 2 if reshard else 1
     return TheoryMin(gathers * n_params * param_bytes * ring, n_params * reduce_bytes * ring)
 

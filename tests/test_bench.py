@@ -83,6 +83,8 @@ def test_case_validation():
         Case("fsdp", "tiny", 2, None)
     with pytest.raises(ValueError, match="fp32"):
         Case("replicate", "tiny", 2, None, "bf16")
+    with pytest.raises(ValueError, match="torch_replicate Case is fp32"):
+        Case("torch_replicate", "tiny", 2, True)
     with pytest.raises(ValueError, match="world_size"):
         Case("fsdp", "tiny", 1, True)
     with pytest.raises(ValueError, match="steps"):
@@ -95,12 +97,15 @@ def test_quick_plan_is_the_documented_grid():
     cases, settings = plan(build_parser().parse_args(["--quick"]))
     assert [c.label for c in cases] == [
         "tiny ws2 rs=T fp32", "tiny ws2 rs=F fp32", "small ws2 rs=T fp32", "small ws2 rs=F fp32", "tiny ws2 replicate",
+        "tiny ws2 vs torch replicate",
     ]  # fmt: skip
     assert settings.steps <= 3 and settings.optimizer == "foreach"
     _, settings = plan(build_parser().parse_args(["--quick", "--optimizer", "loop"]))
     assert settings.optimizer == "loop"
     cases, _ = plan(build_parser().parse_args(["--models", "small", "--world-sizes", "4", "--reshard", "false", "--replicate-models", "none"]))
     assert [c.label for c in cases] == ["small ws4 rs=F fp32", "small ws4 rs=F bf16"]
+    cases, _ = plan(build_parser().parse_args(["--models", "none", "--replicate-models", "tiny", "--replicate-peers", "torch"]))
+    assert [(c.kind, c.label) for c in cases] == [("torch_replicate", "tiny ws2 vs torch replicate"), ("torch_replicate", "tiny ws4 vs torch replicate")]
 
 
 # ---------------------------------------------------------------- end to end
@@ -112,7 +117,11 @@ _IMPL_KEYS = {
     "start_bytes", "losses_rank0", "step_s_per_rank", "profile_rank0",
 }  # fmt: skip
 _RESULT_KEYS = {"case", "n_params", "seq_len", "tokens_per_step", "theory_min_bytes", "compute_only", "ratio", "max_loss_diff", "impls"}
-_NAMES = {"fsdp": ("shardwise.fully_shard", "torch.fully_shard"), "replicate": ("shardwise.replicate", "torch.DDP")}
+_NAMES = {
+    "fsdp": ("shardwise.fully_shard", "torch.fully_shard"),
+    "replicate": ("shardwise.replicate", "torch.DDP"),
+    "torch_replicate": ("shardwise.replicate", "torch.replicate"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +143,9 @@ def test_run_writes_every_field(quick_tiny_run):
     doc, stdout = quick_tiny_run
     assert set(doc) == {"meta", "results"}
     assert doc["meta"]["settings"]["steps"] == 2 and doc["meta"]["threads_per_rank"] == 1
-    assert len(doc["meta"]["source"]["shardwise_sources_sha256"]) == 64 and doc["meta"]["cases_planned"] == 2
+    assert len(doc["meta"]["source"]["shardwise_sources_sha256"]) == 64 and doc["meta"]["cases_planned"] == 3
     labels = [r["case"]["label"] for r in doc["results"]]
-    assert labels == ["tiny ws2 rs=T fp32", "tiny ws2 replicate"]
+    assert labels == ["tiny ws2 rs=T fp32", "tiny ws2 replicate", "tiny ws2 vs torch replicate"]
     for res in doc["results"]:
         assert set(res) == _RESULT_KEYS
         assert set(res["compute_only"]) == {"step_s", "peak_bytes", "step_s_rank0"}
@@ -175,3 +184,13 @@ def test_run_numbers_are_sane(quick_tiny_run):
                 assert imp["socket_bytes"] >= 0.5 * minimum
             if imp["name"].startswith("shardwise"):
                 assert imp["self_reported_wire_bytes"] == imp["wire_bytes"]
+
+
+def test_replicate_peers_issue_the_same_collectives(quick_tiny_run):
+    """shardwise.replicate against torch's replicate, applied the same way: one all-reduce
+    per group on both sides, the same count and payload in the counted step."""
+    doc, _ = quick_tiny_run
+    (res,) = [r for r in doc["results"] if r["case"]["kind"] == "torch_replicate"]
+    sw, th = res["impls"]["shardwise"], res["impls"]["torch"]
+    assert sw["comm_counts"] == th["comm_counts"] and sw["comm_counts"]["all_reduce"] == 6  # 5 blocks + root
+    assert sw["payload_bytes_by_kind"] == th["payload_bytes_by_kind"]
