@@ -33,7 +33,7 @@ __all__ = ["ROLES", "summarise_case", "write_json", "format_table", "format_prof
 ROLES = ("shardwise", "torch")
 
 _COLUMNS = (  # header, width, alignment
-    ("case", 28, "<"), ("impl", 21, "<"), ("step ms", 8, ">"), ("p10-p90 ms", 15, ">"), ("tok/s", 8, ">"),
+    ("case", 29, "<"), ("impl", 21, "<"), ("step ms", 8, ">"), ("p10-p90 ms", 15, ">"), ("tok/s", 8, ">"),
     ("x compute", 9, ">"), ("sw/torch", 8, ">"), ("wire MB", 8, ">"), ("min MB", 7, ">"),
     ("socket MB", 9, ">"), ("peak MB", 8, ">"),
 )  # fmt: skip
