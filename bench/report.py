@@ -11,6 +11,10 @@ defined in the JSON next to the value):
   (max over ranks), and shardwise's own ``comm_stats`` tally as a cross-check;
 - peak live tensor bytes (max over ranks);
 - ``ratio``: shardwise median / torch median (< 1: shardwise is faster);
+- ``above_compute``: shardwise's time above the compute-only baseline over torch's
+  (``(x_compute_sw - 1) / (x_compute_torch - 1)``: what each wrapper adds to the model's own
+  work), and the same above the CPU-sharing floor ``ranks / cores`` when there are more
+  ranks than cores (4 ranks on 2 cores cannot go under twice the compute-only time);
 - ``max_loss_diff``: the largest per-step loss difference between the two on rank 0,
   which shows both trained the same model on the same data.
 """
@@ -18,6 +22,7 @@ defined in the JSON next to the value):
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +33,13 @@ from bench.stats import Spread, spread, worst_rank
 from bench.wire import theoretical_min
 from shardwise.train.model import GPTConfig, count_params
 
-__all__ = ["ROLES", "summarise_case", "write_json", "format_table", "format_profiles"]
+__all__ = ["ROLES", "above_floor_ratio", "summarise_case", "write_json", "format_table", "format_profiles"]
 
 ROLES = ("shardwise", "torch")
 
 _COLUMNS = (  # header, width, alignment
     ("case", 29, "<"), ("impl", 21, "<"), ("step ms", 8, ">"), ("p10-p90 ms", 15, ">"), ("tok/s", 8, ">"),
-    ("x compute", 9, ">"), ("sw/torch", 8, ">"), ("wire MB", 8, ">"), ("min MB", 7, ">"),
+    ("x compute", 9, ">"), ("sw/torch", 8, ">"), ("above s/t", 9, ">"), ("wire MB", 8, ">"), ("min MB", 7, ">"),
     ("socket MB", 9, ">"), ("peak MB", 8, ">"),
 )  # fmt: skip
 
@@ -58,9 +63,27 @@ def summarise_case(case: Case, ranks: list[CaseMeasurement], settings: Settings)
         "theory_min_bytes": {"gather": theory.gather_bytes, "reduce": theory.reduce_bytes, "total": theory.total_bytes},
         "compute_only": {"step_s": compute._asdict(), "peak_bytes": baseline.peak_bytes, "step_s_rank0": baseline.step_s},
         "ratio": impls["shardwise"]["step_s"]["median"] / impls["torch"]["step_s"]["median"],
+        "above_compute": _above_compute(impls, case.world_size),
         "max_loss_diff": max(abs(a - b) for a, b in zip(sw.losses, th.losses)),
         "impls": impls,
     }  # fmt: skip
+
+
+def above_floor_ratio(shardwise_x: float, torch_x: float, floor: float = 1.0) -> float | None:
+    """Shardwise's step time above ``floor`` over torch's, both in units of the compute-only
+    time (``x_compute``); None when torch is not above the floor (nothing to compare)."""
+    torch_above = torch_x - floor
+    return (shardwise_x - floor) / torch_above if torch_above > 0 else None
+
+
+def _above_compute(impls: dict[str, dict[str, Any]], world_size: int) -> dict[str, float | None]:
+    sw, th = impls["shardwise"]["x_compute"], impls["torch"]["x_compute"]
+    floor = max(1.0, world_size / (os.cpu_count() or 1))  # ranks sharing each core
+    return {
+        "vs_compute_only": above_floor_ratio(sw, th),
+        "cpu_share_floor": floor,
+        "vs_cpu_share": above_floor_ratio(sw, th, floor),
+    }
 
 
 def _summarise_impl(ranks: list[ImplMeasurement], tokens: int, compute_s: float, min_bytes: float) -> dict[str, Any]:
@@ -130,6 +153,7 @@ def _cells(res: dict[str, Any], role: str) -> list[str]:
         f"{imp['tokens_per_s']:,.0f}",
         f"{imp['x_compute']:.2f}",
         f"{res['ratio']:.3f}" if first else "",
+        _ratio(above_floor_ratio(imp["x_compute"], res["impls"][ROLES[1]]["x_compute"])) if first else "",
         _mb(imp["wire_bytes"]),
         _mb(res["theory_min_bytes"]["total"]),
         _mb(imp["socket_bytes"]),
@@ -140,7 +164,11 @@ def _cells(res: dict[str, Any], role: str) -> list[str]:
 def _compute_only_cells(res: dict[str, Any]) -> list[str]:
     base = res["compute_only"]
     s = Spread(**base["step_s"])
-    return ["", "compute-only (1 rank)", f"{s.median * 1e3:.1f}", f"{s.p10 * 1e3:.1f}-{s.p90 * 1e3:.1f}", "", "1.00", "", "", "", "", _mb(base["peak_bytes"])]
+    return ["", "compute-only (1 rank)", f"{s.median * 1e3:.1f}", f"{s.p10 * 1e3:.1f}-{s.p90 * 1e3:.1f}", "", "1.00", "", "", "", "", "", _mb(base["peak_bytes"])]
+
+
+def _ratio(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}"
 
 
 def _mb(n: float | None) -> str:

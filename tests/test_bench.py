@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ sys.path.insert(0, str(REPO_ROOT))  # `bench` is a top-level package of the repo
 from bench.cases import Case, Settings  # noqa: E402
 from bench.cli import build_parser, main, plan  # noqa: E402
 from bench.memory import _ORIGINAL_RESIZE, PeakMemory  # noqa: E402
+from bench.report import above_floor_ratio  # noqa: E402
 from bench.stats import percentile, spread, worst_rank  # noqa: E402
 from bench.wire import count_events, read_wchar, theoretical_min  # noqa: E402
 from shardwise.testing import CommEvent  # noqa: E402
@@ -52,6 +54,12 @@ def test_count_events_applies_ring_factors():
     counted = count_events(events)
     assert counted.wire_bytes == {"all_gather": 600, "reduce_scatter": 600, "all_reduce": 1200, "all_to_all": 600}
     assert counted.counts["barrier"] == 1 and counted.total_wire_bytes == 3000
+
+
+def test_above_floor_ratio():
+    assert above_floor_ratio(2.0, 3.0) == pytest.approx(0.5)  # 1.0 above compute against 2.0
+    assert above_floor_ratio(3.0, 4.0, floor=2.0) == pytest.approx(0.5)  # 4 ranks on 2 cores
+    assert above_floor_ratio(1.5, 1.0) is None  # torch at the floor: nothing to compare with
 
 
 def test_spread_and_worst_rank():
@@ -116,7 +124,10 @@ _IMPL_KEYS = {
     "payload_bytes_by_kind", "wire_bytes_by_kind", "self_reported_wire_bytes", "socket_bytes", "peak_bytes",
     "start_bytes", "losses_rank0", "step_s_per_rank", "profile_rank0",
 }  # fmt: skip
-_RESULT_KEYS = {"case", "n_params", "seq_len", "tokens_per_step", "theory_min_bytes", "compute_only", "ratio", "max_loss_diff", "impls"}
+_RESULT_KEYS = {
+    "case", "n_params", "seq_len", "tokens_per_step", "theory_min_bytes", "compute_only", "ratio", "above_compute",
+    "max_loss_diff", "impls",
+}  # fmt: skip
 _NAMES = {
     "fsdp": ("shardwise.fully_shard", "torch.fully_shard"),
     "replicate": ("shardwise.replicate", "torch.DDP"),
@@ -168,6 +179,11 @@ def test_run_numbers_are_sane(quick_tiny_run):
         minimum = res["theory_min_bytes"]["total"]
         assert res["tokens_per_step"] == 1 * 128 * 2 and res["n_params"] > 1_000_000
         assert res["ratio"] > 0 and math.isfinite(res["ratio"])
+        above = res["above_compute"]
+        assert above["cpu_share_floor"] == max(1.0, 2 / os.cpu_count())
+        xs, xt = (res["impls"][r]["x_compute"] for r in ("shardwise", "torch"))
+        if xt > 1:  # torch slower than compute alone: the ratio is defined
+            assert above["vs_compute_only"] == pytest.approx((xs - 1) / (xt - 1))
         assert res["max_loss_diff"] < 1e-3, "both implementations should train the same model on the same data"
         compute = res["compute_only"]
         assert len(compute["step_s_rank0"]) == 2 and compute["step_s"]["median"] > 0
