@@ -24,11 +24,13 @@ from typing import Iterable
 
 from shardwise.train.model import PRESETS
 
-__all__ = ["KINDS", "REPLICATE_PEERS", "DTYPES", "Case", "Settings", "fsdp_cases", "replicate_cases"]
+__all__ = ["KINDS", "REPLICATE_PEERS", "REPLICATE_KINDS", "DTYPES", "Case", "Settings", "fsdp_cases", "replicate_cases"]
 
 KINDS = ("fsdp", "replicate", "torch_replicate")
 REPLICATE_PEERS = {"ddp": "replicate", "torch": "torch_replicate"}
 """``--replicate-peers`` value -> the case kind comparing shardwise.replicate with that peer."""
+REPLICATE_KINDS = tuple(REPLICATE_PEERS.values())
+"""The kinds whose shardwise side is ``replicate``: fp32, no reshard, one gradient all-reduce."""
 DTYPES = ("fp32", "bf16")
 
 
@@ -59,7 +61,7 @@ class Case:
             raise ValueError(f"Case.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kind == "fsdp" and not isinstance(self.reshard, bool):
             raise ValueError(f"an fsdp Case needs reshard=True/False, got {self.reshard!r}")
-        if self.kind != "fsdp" and (self.reshard is not None or self.dtype != "fp32"):
+        if self.kind in REPLICATE_KINDS and (self.reshard is not None or self.dtype != "fp32"):
             raise ValueError(f"a {self.kind} Case is fp32 with reshard=None, got dtype={self.dtype}, reshard={self.reshard}")
 
     @property

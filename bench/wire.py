@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, NamedTuple
 
+from bench.cases import REPLICATE_KINDS
 from shardwise.testing import CommEvent
 
 __all__ = ["RING_FACTOR", "CountedComm", "count_events", "TheoryMin", "theoretical_min", "read_wchar"]
@@ -84,7 +85,7 @@ def theoretical_min(kind: str, n_params: int, world_size: int, reshard: bool | N
         reduce_bytes: bytes per element of ``reduce_dtype`` (what the reductions move).
     """
     ring = (world_size - 1) / world_size
-    if kind in ("replicate", "torch_replicate"):
+    if kind in REPLICATE_KINDS:
         return TheoryMin(0.0, 2 * n_params * reduce_bytes * ring)
     if kind != "fsdp":
         raise ValueError(f"kind must be 'fsdp', 'replicate' or 'torch_replicate', got {kind!r}")

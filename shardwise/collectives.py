@@ -82,9 +82,9 @@ def pack_dividing(
     Either way each element is ``g / divisor`` rounded once, so ``sum(g / N)`` equals
     ``sum(g) / N`` bit for bit when N is a power of two; otherwise within an ulp.
     """
-    total = sum(g.numel() for g in grads)
     if out is None:
-        out = torch.empty(total, dtype=dtype, device=grads[0].device)
+        out = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
+    total = out.numel()  # the caller sized ``out`` to the gradients: no second sum over them
     packed = out.view(1, -1)
     flat = packed.view(-1)
     if total < SMALL_GRAD_NUMEL * len(grads) and all(g.dtype == dtype for g in grads):
