@@ -8,6 +8,10 @@ the rest of the training script::
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
+
+For code that imports torch's names (a framework, a script you do not own),
+``shardwise.install_as_torch_fsdp()`` or ``python -m shardwise.as_torch_fsdp script.py``
+puts shardwise's objects under them (see :mod:`shardwise.switch`).
 """
 
 from shardwise.clip import clip_grad_norm_
@@ -15,6 +19,7 @@ from shardwise.fully_shard import fully_shard
 from shardwise.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from shardwise.replicate import ReplicateModule, replicate
 from shardwise.policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from shardwise.switch import install_as_torch_fsdp, uninstall_as_torch_fsdp
 from shardwise.tracing import trace
 
 __all__ = [
@@ -31,4 +36,6 @@ __all__ = [
     "ReplicateModule",
     "trace",
     "clip_grad_norm_",
+    "install_as_torch_fsdp",
+    "uninstall_as_torch_fsdp",
 ]
