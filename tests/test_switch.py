@@ -9,20 +9,20 @@ FSDP2 names runs on shardwise.
   every rank shardwise's objects under torch's names, in a script that imports them at its top.
 - Through a framework: Hugging Face Accelerate's FSDP2 plugin (fsdp_version=2, transformer-layer
   auto wrap) trains a Transformers Llama via the switch bit-identically to torch's FSDP2, every
-  step: loss, every gradient and every parameter (fp32; and bf16 with tied embeddings and
-  activation checkpointing).
+  step: loss, every gradient and every parameter (fp32; and bf16 with tied embeddings,
+  activation checkpointing, gradient accumulation and Accelerate's gradient clipping).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +32,6 @@ import shardwise
 from shardwise import switch
 from shardwise.testing import run_on_ranks
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
 STEPS = 3
 HOMES = tuple(switch.HOMES)  # the real ones (one test adds a broken one)
@@ -272,70 +271,100 @@ def _accelerate_env():
                 os.environ[k] = v
 
 
-def _train_with_accelerate(mixed_precision: str, tied: bool, ac: bool, batches: list) -> tuple:
-    """Accelerate's FSDP2 path, as a user's script runs it; every step's loss, grads and params."""
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One Accelerate configuration; ``accum`` micro-batches per optimizer step."""
+
+    mixed_precision: str = "no"
+    tied: bool = False
+    ac: bool = False
+    accum: int = 1
+    clip: float | None = None
+
+
+def _accelerator(case: Case):
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], activation_checkpointing=ac,
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], activation_checkpointing=case.ac,
     )  # fmt: skip
-    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, mixed_precision=mixed_precision)
+    accelerator = Accelerator(
+        cpu=True, fsdp_plugin=plugin, mixed_precision=case.mixed_precision, gradient_accumulation_steps=case.accum
+    )
     # Accelerate enables FSDP only on accelerator devices: AcceleratorState switches
     # distributed_type to FSDP for MULTI_GPU / MULTI_XPU / MULTI_NPU / ... but never for
     # MULTI_CPU (accelerate/state.py). Its FSDP2 code path itself is device-agnostic, so on
     # CPU the test sets what AcceleratorState would have set on a GPU machine.
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
-    if mixed_precision != "no":
-        plugin.set_mixed_precision(mixed_precision)
+    if case.mixed_precision != "no":
+        plugin.set_mixed_precision(case.mixed_precision)
+    return accelerator
+
+
+def _train_with_accelerate(case: Case, batches: list) -> tuple:
+    """Accelerate's FSDP2 path as a user's script runs it; per optimizer step the micro-batch
+    losses, the (clipped) gradients and the parameters."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    accelerator = _accelerator(case)
     try:
-        model = _tiny_llama(tied)
+        model = _tiny_llama(case.tied)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, optim = accelerator.prepare(model, optim)
-        steps = []
+        steps, losses = [], []
         for ids in batches:
-            loss = model(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)
-            grads = [p.grad.to_local().clone() for p in model.parameters()]
-            optim.step()
-            optim.zero_grad()
-            steps.append((loss.detach().clone(), grads, [p.to_local().detach().clone() for p in model.parameters()]))
+            with accelerator.accumulate(model):
+                loss = model(input_ids=ids, labels=ids).loss
+                accelerator.backward(loss)
+                losses.append(loss.detach().clone())
+                if not accelerator.sync_gradients:
+                    continue
+                if case.clip is not None:
+                    accelerator.clip_grad_norm_(model.parameters(), case.clip)
+                grads = [p.grad.to_local().clone() for p in model.parameters()]
+                optim.step()
+                optim.zero_grad()
+                steps.append((torch.stack(losses), grads, [p.to_local().detach().clone() for p in model.parameters()]))
+                losses = []
         return model, steps
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
 
 
-def _accelerate_parity(mixed_precision: str, tied: bool, ac: bool) -> None:
+def _accelerate_parity(case: Case) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
     gen = torch.Generator().manual_seed(dist.get_rank())  # each rank its own data
-    batches = [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(STEPS)]
+    batches = [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(STEPS * case.accum)]
     with _accelerate_env():
-        theirs, torch_steps = _train_with_accelerate(mixed_precision, tied, ac, batches)
+        theirs, torch_steps = _train_with_accelerate(case, batches)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Transformers bound torch's names at import: expected here
             with shardwise.install_as_torch_fsdp():
-                ours, our_steps = _train_with_accelerate(mixed_precision, tied, ac, batches)
+                ours, our_steps = _train_with_accelerate(case, batches)
     assert not switch.installed()
     layers = ours.model.layers
     assert isinstance(theirs, TorchFSDPModule) and not isinstance(theirs, shardwise.FSDPModule)
     assert isinstance(ours, shardwise.FSDPModule) and all(isinstance(m, shardwise.FSDPModule) for m in layers)
-    assert all(isinstance(m, CheckpointWrapper) for m in layers) == ac
-    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    assert all(isinstance(m, CheckpointWrapper) for m in layers) == case.ac
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == case.tied
+    assert len(torch_steps) == len(our_steps) == STEPS
     for step, ((l0, g0, p0), (l1, g1, p1)) in enumerate(zip(torch_steps, our_steps)):
         where = f"rank {dist.get_rank()} step {step}"
-        assert torch.equal(l0, l1), f"{where}: loss {l0.item()} (torch) != {l1.item()} (shardwise)"
+        assert torch.equal(l0, l1), f"{where}: losses {l0.tolist()} (torch) != {l1.tolist()} (shardwise)"
         assert len(g0) == len(g1) and all(torch.equal(a, b) for a, b in zip(g0, g1)), f"{where}: grads differ"
         assert len(p0) == len(p1) and all(torch.equal(a, b) for a, b in zip(p0, p1)), f"{where}: params differ"
 
 
 @pytest.mark.parametrize(
-    "mixed_precision,tied,ac", [("no", False, False), ("bf16", True, True)], ids=["fp32", "bf16-tied-ac"]
+    "case",
+    [Case(), Case(mixed_precision="bf16", tied=True, ac=True, accum=2, clip=0.5)],
+    ids=["fp32", "bf16-tied-ac-accum2-clip"],
 )
-def test_accelerate_fsdp2_llama_via_switch_matches_torch_bitwise(mixed_precision, tied, ac):
-    run_on_ranks(_accelerate_parity, 2, mixed_precision, tied, ac, timeout=TIMEOUT)
+def test_accelerate_fsdp2_llama_via_switch_matches_torch_bitwise(case):
+    run_on_ranks(_accelerate_parity, 2, case, timeout=TIMEOUT)
