@@ -221,7 +221,8 @@ def _warn_early_binders(bindings: tuple[Binding, ...]) -> None:
     torch_objs = {id(b.torch_obj): b.name for b in bindings}
     holders = []
     for mod_name, mod in list(sys.modules.items()):
-        if mod_name.startswith(_TORCH_FSDP_PACKAGES) or not isinstance(mod, types.ModuleType):
+        in_torch_fsdp = any(mod_name == p or mod_name.startswith(p + ".") for p in _TORCH_FSDP_PACKAGES)
+        if in_torch_fsdp or not isinstance(mod, types.ModuleType):
             continue
         names = sorted({torch_objs[id(v)] for v in list(vars(mod).values()) if id(v) in torch_objs})
         if names:
