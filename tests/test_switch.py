@@ -130,6 +130,20 @@ def test_failure_midway_leaves_torch_untouched():
     _assert_same(before, _snapshot())
 
 
+def test_failure_midway_through_uninstall_leaves_the_switch_whole():
+    _install_quietly()
+    home = sys.modules["torch.distributed._composable.replicate_with_fsdp"]
+    home.__class__ = _FailsToSet
+    try:
+        with pytest.raises(RuntimeError, match="cannot set replicate"):
+            shardwise.uninstall_as_torch_fsdp()
+    finally:
+        home.__class__ = types.ModuleType
+    assert all(getattr(b.home, b.name) is b.shardwise_obj for b in switch.installed())
+    shardwise.uninstall_as_torch_fsdp()
+    assert not switch.installed()
+
+
 def test_failure_building_the_table_changes_nothing(monkeypatch):
     switch.plan()
     before = _snapshot()
