@@ -201,14 +201,7 @@ def _torch_callables() -> dict[str, tuple]:
     return pairs
 
 
-_REPLICATE_GAP = "shardwise.replicate has no dp_mesh_dims= (torch 2.13's replicate_with_fsdp.replicate has)"
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param("replicate", marks=pytest.mark.xfail(strict=True, reason=_REPLICATE_GAP))]
-    + sorted(n for n in _torch_callables() if n != "replicate"),
-)
+@pytest.mark.parametrize("name", sorted(_torch_callables()))
 def test_switched_callables_take_torchs_arguments(name):
     theirs, ours = _torch_callables()[name]
     assert ours is not None, f"shardwise lacks {name}"

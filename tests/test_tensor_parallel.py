@@ -280,3 +280,48 @@ def test_dp_mesh_dims_parity(names):
     for a, b in tp_pairs:
         assert histories[a] == histories[b], "a TP pair saw different losses"
     assert len({tuple(h) for h in histories}) == 2, "expected 2 data-parallel streams"
+
+
+def _replicate_dp_mesh_dims() -> list[float]:
+    """replicate() on the full (dp, tp) mesh, reducing over dp only: parity with torch's
+    replicate and with a replica averaged over every rank, every step."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+
+    _quiet_redistribute_warnings()
+    mesh = make_mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    base = SpmdStack()
+    ref = copy.deepcopy(base)
+    copies = []
+    for replicate_fn, dims in (
+        (shardwise.replicate, shardwise.DataParallelMeshDims(replicate="dp")),
+        (torch_replicate, TorchDataParallelMeshDims(replicate="dp")),
+    ):
+        model = _distribute(copy.deepcopy(base), mesh)
+        for layer in model.layers:
+            replicate_fn(layer, mesh=mesh, dp_mesh_dims=dims)
+        copies.append(replicate_fn(model, mesh=mesh, dp_mesh_dims=dims))
+    ours, theirs = copies
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert p.placements == q.placements, f"{name}: {p.placements}, torch's {q.placements}"
+    gen = generator(mesh.get_local_rank("dp"))
+    batches = [[(torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen))] for _ in range(STEPS)]
+    return train(ours, ref, theirs, batches, loss_fn=_mse)
+
+
+def _replicate_dp_mesh_dims_with_shard() -> str:
+    mesh = make_mesh((2, 2), ("dp", "tp"))
+    model = _distribute(SpmdStack(), mesh)
+    with pytest.raises(ValueError, match="requires replicate-only dims") as err:
+        shardwise.replicate(model, mesh=mesh, dp_mesh_dims=shardwise.DataParallelMeshDims(shard="dp"))
+    return str(err.value)
+
+
+def test_replicate_dp_mesh_dims_parity():
+    histories = run_on_ranks(_replicate_dp_mesh_dims, 4, timeout=TIMEOUT)
+    assert len({tuple(h) for h in histories}) == 2, "expected 2 data-parallel streams"
+
+
+def test_replicate_dp_mesh_dims_refuses_shard_dims():
+    for message in run_on_ranks(_replicate_dp_mesh_dims_with_shard, 4, timeout=TIMEOUT):
+        assert "Use fully_shard() for sharding" in message
