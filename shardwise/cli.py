@@ -27,7 +27,7 @@ __all__ = ["main", "build_parser"]
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    from shardwise.train.loop import TrainConfig
+    from shardwise.train.config import LR_SCHEDULES, TrainConfig
     from shardwise.train.model import PRESETS
     from shardwise.train.sharding import IMPLS, MIXED_PRECISION
 
@@ -49,7 +49,27 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     add("--data", default=d.data, metavar="PATH",
         help="text file or directory to train on (default: the Python stdlib's .py sources)")
     add("--data-bytes", type=int, default=d.data_bytes, help="read at most this many bytes (default %(default)s)")
+    add("--lr-schedule", choices=LR_SCHEDULES, default=d.lr_schedule,
+        help="constant, or cosine: linear warm-up then decay to 10%% at --steps (default %(default)s)")
+    add("--warmup-steps", type=int, default=d.warmup_steps, help="warm-up steps of the cosine schedule")
+    add("--metrics", metavar="PATH", help="append one JSON line per step (step, loss, tokens_per_s, ...) to PATH")
+    _add_checkpoint_args(p, d)
     add("-v", "--verbose", action="store_true", help="log set-up details from every rank")
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser, d) -> None:
+    g = p.add_argument_group("checkpoints (DCP format; see shardwise.checkpoint)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints under DIR")
+    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="K",
+                   help="save after every K steps and after the last (default: only after the last)")
+    g.add_argument("--keep-last", type=int, default=d.keep_last, metavar="N",
+                   help="keep the N newest checkpoints (default %(default)s)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in DIR; start fresh when there is none")
+    g.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background (dcp.async_save); steps wait only for the copy")
+    g.add_argument("--stop-after", type=int, metavar="STEP",
+                   help="end after STEP (checkpointed) though the LR schedule spans --steps; resume later")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,12 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train_config(args: argparse.Namespace):
-    from shardwise.train.loop import TrainConfig
+    from shardwise.train.config import TrainConfig
 
     return TrainConfig(
         model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         seed=args.seed, mixed_precision=args.mixed_precision, impl=args.impl, device=args.device,
-        data=args.data, data_bytes=args.data_bytes,
+        data=args.data, data_bytes=args.data_bytes, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+        metrics=args.metrics, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        keep_last=args.keep_last, resume=args.resume, async_checkpoint=args.async_checkpoint,
+        stop_after=args.stop_after,
     )
 
 

@@ -79,7 +79,7 @@ def corpus(tmp_path) -> torch.Tensor:
 
 def test_batches_deterministic_per_rank(corpus):
     def batches(rank):
-        sampler = BatchSampler(corpus, batch_size=4, seq_len=32, seed=7, rank=rank)
+        sampler = BatchSampler(corpus, batch_size=4, seq_len=32, seed=7, rank=rank, world_size=2)
         return [sampler.next_batch() for _ in range(3)]
 
     for (x0, y0), (x0b, y0b), (x1, _) in zip(batches(0), batches(0), batches(1)):

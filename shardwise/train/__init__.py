@@ -6,6 +6,10 @@ One module per concept:
 - :mod:`~shardwise.train.data` — the byte-level corpus and per-rank batch sampling.
 - :mod:`~shardwise.train.distributed` — process group, device and mesh for this rank.
 - :mod:`~shardwise.train.sharding` — ``fully_shard`` per block then root, shardwise's or torch's.
+- :mod:`~shardwise.train.config` — :class:`TrainConfig` (the flags) and :class:`TrainResult`.
+- :mod:`~shardwise.train.schedule` — the learning-rate schedule (constant, warm-up + cosine).
+- :mod:`~shardwise.train.metrics` — ``--metrics``: one JSON line per step, crash-safe.
+- :mod:`~shardwise.train.checkpointing` — the checkpoint flags, wired to :mod:`shardwise.checkpoint`.
 - :mod:`~shardwise.train.loop` — the step and the run every rank executes.
 - :mod:`~shardwise.train.report` — progress bar and summary on rank 0.
 
@@ -16,7 +20,8 @@ Launch::
     torchrun --standalone --nproc-per-node 4 -m shardwise train --model small
 """
 
-from shardwise.train.loop import TrainConfig, TrainResult, run, train
+from shardwise.train.config import TrainConfig, TrainResult
+from shardwise.train.loop import run, train
 from shardwise.train.model import GPT, GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "TrainConfig", "TrainResult", "train", "run"]

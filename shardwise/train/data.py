@@ -9,17 +9,23 @@ start-up stays fast however large the directory is.
 Tokenizer. One token per byte: the vocabulary is the 256 byte values and decoding is
 ``bytes(tokens)``; no merges to learn or ship.
 
-Batches. Each rank draws random windows of ``seq_len + 1`` bytes from the shared corpus
-with its own generator seeded from ``(seed, rank)``: reruns repeat exactly, and ranks see
-different data, which is what makes the gradient all-reduce of data parallelism useful::
+Batches. Each step draws one *global* batch of ``batch_size * world_size`` random windows of
+``seq_len + 1`` bytes from a generator seeded with ``seed`` (the same on every rank), and
+rank ``r`` keeps windows ``[r * batch_size, (r + 1) * batch_size)``. Reruns repeat exactly,
+ranks see different data (what makes the gradient all-reduce of data parallelism useful),
+and the data position is one generator state that every rank holds: a checkpoint restores
+it exactly, and a run resumed on 4 ranks with half the per-rank batch sees the very batches
+the 2-rank run would have seen::
 
     >>> tokens = load_corpus()                       # uint8 tensor, the stdlib sources
-    >>> sampler = BatchSampler(tokens, batch_size=8, seq_len=128, seed=0, rank=1)
+    >>> sampler = BatchSampler(tokens, batch_size=8, seq_len=128, seed=0, rank=1, world_size=2)
     >>> x, y = sampler.next_batch()                  # (8, 128) int64 each; y is x shifted by one
+    >>> state = sampler.state_dict()                 # JSON-able: the data position
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import sysconfig
@@ -112,38 +118,71 @@ def decode(tokens: torch.Tensor) -> str:
 
 
 class BatchSampler:
-    """Random ``(inputs, targets)`` windows of a token tensor, reproducible per ``(seed, rank)``.
+    """Random ``(inputs, targets)`` windows of a token tensor: this rank's slice of a global batch.
 
-    Each batch is ``batch_size`` windows starting at offsets drawn uniformly from this
-    rank's generator; ``targets`` are the ``inputs`` shifted one token to the left.
+    Each batch is this rank's ``batch_size`` of the ``batch_size * world_size`` window starts
+    drawn uniformly from one generator seeded with ``seed``; ``targets`` are the ``inputs``
+    shifted one token to the left. Every rank advances the generator identically.
     """
 
     tokens: torch.Tensor  # (N,) uint8, the whole corpus, identical on every rank
     batch_size: int  # windows per batch on this rank
     seq_len: int  # tokens per window (targets need one more)
-    generator: torch.Generator  # CPU generator seeded with seed * 1_000_003 + rank
+    rank: int  # which slice of the global batch this rank keeps
+    world_size: int  # slices in a global batch
+    generator: torch.Generator  # CPU generator seeded with seed; same state on every rank
 
-    def __init__(self, tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, rank: int) -> None:
+    def __init__(
+        self, tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
+    ) -> None:
         if tokens.dim() != 1 or tokens.numel() < seq_len + 1:
             raise ValueError(
                 f"need a 1-D corpus of at least seq_len+1={seq_len + 1} tokens, got shape {tuple(tokens.shape)}"
             )
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.tokens = tokens
         self.batch_size = batch_size
         self.seq_len = seq_len
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self.rank = rank
+        self.world_size = world_size
+        self.generator = torch.Generator().manual_seed(seed)
 
     def __repr__(self) -> str:
         n = self.tokens.numel()
-        return f"BatchSampler(corpus={n} tokens, batch_size={self.batch_size}, seq_len={self.seq_len})"
+        return (
+            f"BatchSampler(corpus={n} tokens, batch_size={self.batch_size}, seq_len={self.seq_len}, "
+            f"rank={self.rank}/{self.world_size})"
+        )
+
+    @property
+    def global_batch_size(self) -> int:
+        """Windows per step over all ranks."""
+        return self.batch_size * self.world_size
 
     def next_batch(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``(inputs, targets)`` pair, each ``(batch_size, seq_len)`` int64 on ``device``."""
-        T = self.seq_len
-        starts = torch.randint(0, self.tokens.numel() - T, (self.batch_size,), generator=self.generator)  # (B,)
+        T, B = self.seq_len, self.batch_size
+        starts = torch.randint(0, self.tokens.numel() - T, (self.global_batch_size,), generator=self.generator)
+        starts = starts[self.rank * B : (self.rank + 1) * B]  # (B,): this rank's slice of the global batch
         offsets = starts[:, None] + torch.arange(T + 1)  # (B, T+1): index of every token of every window
         windows = self.tokens[offsets].long()  # (B, T+1)
         x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each, y[b, t] = x[b, t+1]
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    def state_dict(self) -> dict:
+        """The data position, JSON-able: the generator state and the global batch it was drawn for."""
+        state = base64.b64encode(self.generator.get_state().numpy().tobytes()).decode("ascii")
+        return {"generator": state, "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``; a different global batch size draws a different stream (logged)."""
+        raw = bytearray(base64.b64decode(state["generator"]))
+        self.generator.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
+        if state["global_batch_size"] != self.global_batch_size:
+            logger.warning(
+                "data position saved for a global batch of %d windows, resumed with %d: batches from here on "
+                "differ from the original run's", state["global_batch_size"], self.global_batch_size,
+            )

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,13 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.train import report
-from shardwise.train.data import DEFAULT_MAX_BYTES, VOCAB_SIZE, BatchSampler, load_corpus
+from shardwise.train.checkpointing import RunCheckpoints
+from shardwise.train.config import TrainConfig, TrainResult
+from shardwise.train.data import BatchSampler, load_corpus
 from shardwise.train.distributed import DistEnv, setup, teardown
-from shardwise.train.model import GPT, PRESETS, GPTConfig, count_params
-from shardwise.train.sharding import IMPLS, MIXED_PRECISION, shard_model
-
-if TYPE_CHECKING:
-    from shardwise.comm_stats import CommStats
+from shardwise.train.metrics import MetricsLog
+from shardwise.train.model import GPT, count_params
+from shardwise.train.schedule import build_scheduler
+from shardwise.train.sharding import shard_model
 
 __all__ = [
     "TrainConfig", "TrainResult", "build_model", "build_optimizer", "train_step", "mean_across_ranks", "train", "run",
@@ -49,81 +51,6 @@ logger = logging.getLogger(__name__)
 
 StepCallback = Callable[[int, float, float], None]
 """Called after each step with ``(step, loss, tokens_per_s)``; ``step`` counts from 1."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything a run needs; the CLI flags of ``shardwise train`` map onto these fields."""
-
-    model: str = "tiny"
-    """Preset of :class:`GPTConfig`: ``tiny`` (~1M), ``small`` (~10M) or ``medium`` (~50M parameters)."""
-    steps: int = 150
-    """Optimizer steps to run (150 on the tiny model take about a minute on 2 CPU ranks)."""
-    batch_size: int = 16
-    """Sequences per rank per step; the global batch is ``batch_size * world_size``."""
-    seq_len: int | None = None
-    """Tokens per sequence; ``None`` uses the preset's ``seq_len``."""
-    lr: float = 1e-3
-    """AdamW learning rate (constant)."""
-    seed: int = 0
-    """Seeds the model's initialisation (same on every rank) and each rank's batch sampler."""
-    mixed_precision: str = "none"
-    """``none`` (fp32) or ``bf16`` (bf16 parameters and compute, fp32 gradient reduction)."""
-    impl: str = "shardwise"
-    """Which ``fully_shard``: ``shardwise`` (this project) or ``torch`` (``torch.distributed.fsdp``)."""
-    device: str = "auto"
-    """``auto`` (a GPU per rank when there are enough, else CPU), ``cpu`` or ``cuda``."""
-    data: str | None = None
-    """A text file or directory to train on; ``None`` uses the Python standard library's sources."""
-    data_bytes: int = DEFAULT_MAX_BYTES
-    """Read at most this many bytes of the corpus."""
-
-    def __post_init__(self) -> None:
-        if self.model not in PRESETS:
-            raise ValueError(f"model must be one of {sorted(PRESETS)}, got {self.model!r}")
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
-        for name in ("steps", "batch_size", "data_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len is not None and self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-
-    def model_config(self) -> GPTConfig:
-        """The preset, with ``seq_len`` overridden when given, over the byte vocabulary."""
-        overrides = {"vocab_size": VOCAB_SIZE}
-        if self.seq_len is not None:
-            overrides["seq_len"] = self.seq_len
-        return GPTConfig.preset(self.model, **overrides)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainResult:
-    """What a run measured; identical on every rank except ``losses`` and ``comm``."""
-
-    steps: int
-    world_size: int
-    n_params: int  # unsharded parameter count of the model
-    tokens_per_step: int  # over all ranks: batch_size * seq_len * world_size
-    losses: list[float]  # this rank's loss after each step
-    first_loss: float  # step 1's loss, mean over ranks
-    final_loss: float  # the last step's loss, mean over ranks
-    wall_s: float  # time spent in the steps
-    setup_s: float  # corpus, model build and sharding, before the first step
-    comm: "CommStats | None"  # this rank's collectives during the steps; None for
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.steps * self.tokens_per_step / max(self.wall_s, 1e-9)
-
-    @property
-    def wire_bytes_per_step(self) -> float | None:
-        """Bytes this rank sent per step (ring model), or ``None`` when nothing was tallied."""
-        return None if self.comm is None else self.comm.total_wire_bytes / self.steps
 
 
 def build_model(cfg: TrainConfig, env: DistEnv) -> GPT:
@@ -169,26 +96,48 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the step loop drives; built by :func:`train`."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: BatchSampler
+    checkpoints: RunCheckpoints
+    metrics: MetricsLog
+
+
 def _run_steps(
-    model: nn.Module, optimizer: torch.optim.Optimizer, sampler: BatchSampler,
-    cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None,
+    job: _Run, cfg: TrainConfig, env: DistEnv, start_step: int, on_step: StepCallback | None,
 ) -> tuple[list[float], float]:
-    """The step loop; returns this rank's losses and the seconds it took."""
-    tokens_per_step = cfg.batch_size * sampler.seq_len * env.world_size
+    """Steps ``start_step + 1 ..`` to ``--stop-after`` or ``--steps``; this rank's losses and the seconds taken."""
+    tokens_per_step = cfg.batch_size * job.sampler.seq_len * env.world_size
     losses: list[float] = []
     _sync(env.device)
-    start = time.perf_counter()
-    for step in range(1, cfg.steps + 1):
-        x, y = sampler.next_batch(env.device)
-        losses.append(train_step(model, optimizer, x, y).item())
+    start = last = time.perf_counter()
+    for step in range(start_step + 1, job.checkpoints.last_step + 1):
+        x, y = job.sampler.next_batch(env.device)
+        lr = job.optimizer.param_groups[0]["lr"]
+        losses.append(train_step(job.model, job.optimizer, x, y).item())
+        job.scheduler.step()
+        held_s = job.checkpoints.after_step(step)
+        now = time.perf_counter()
+        step_s, last = now - last, now
+        job.metrics.log(step, losses[-1], tokens_per_s=tokens_per_step / step_s, step_s=step_s, lr=lr,
+                        checkpoint_s=held_s)
         if on_step is not None:
-            on_step(step, losses[-1], step * tokens_per_step / (time.perf_counter() - start))
+            on_step(step, losses[-1], len(losses) * tokens_per_step / (now - start))
+    job.checkpoints.close()
     _sync(env.device)
     return losses, time.perf_counter() - start
 
 
 def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -> TrainResult:
     """Train ``cfg`` on the ranks of ``env``; every rank must call this with the same ``cfg``.
+
+    With ``cfg.resume`` the run continues after the newest checkpoint in ``cfg.checkpoint_dir``
+    (see :mod:`~shardwise.train.checkpointing`), and the result counts this invocation's steps.
 
     Args:
         cfg: the run's configuration.
@@ -199,24 +148,33 @@ def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -
     tokens = load_corpus(cfg.data, cfg.data_bytes)
     model = build_model(cfg, env)
     optimizer = build_optimizer(model, cfg.lr)
-    sampler = BatchSampler(tokens, cfg.batch_size, model.cfg.seq_len, cfg.seed, env.rank)
+    scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
+    sampler = BatchSampler(tokens, cfg.batch_size, model.cfg.seq_len, cfg.seed, env.rank, env.world_size)
+    checkpoints = RunCheckpoints(cfg, env, model, optimizer, scheduler, sampler)
+    start_step = checkpoints.resume(cfg.resume)
+    metrics = MetricsLog(cfg.metrics, env.device, env.is_main)
     tally = _comm_tally(cfg.impl)
     if tally is not None:
         tally.reset()
     setup_s = time.perf_counter() - t0
-    losses, wall_s = _run_steps(model, optimizer, sampler, cfg, env, on_step)
+    try:
+        losses, wall_s = _run_steps(_Run(model, optimizer, scheduler, sampler, checkpoints, metrics),
+                                    cfg, env, start_step, on_step)
+    finally:
+        metrics.close()
     comm = tally.snapshot() if tally is not None else None
     return TrainResult(
-        steps=cfg.steps,
+        steps=len(losses),
         world_size=env.world_size,
         n_params=count_params(model.cfg),
         tokens_per_step=cfg.batch_size * sampler.seq_len * env.world_size,
         losses=losses,
-        first_loss=mean_across_ranks(losses[0], env.device),
-        final_loss=mean_across_ranks(losses[-1], env.device),
+        first_loss=mean_across_ranks(losses[0] if losses else math.nan, env.device),
+        final_loss=mean_across_ranks(losses[-1] if losses else math.nan, env.device),
         wall_s=wall_s,
         setup_s=setup_s,
         comm=comm,
+        resumed_from=start_step,
     )
 
 

@@ -17,9 +17,10 @@ import math
 import sys
 from typing import TYPE_CHECKING, TextIO
 
+from shardwise.train.config import TrainConfig, TrainResult
+
 if TYPE_CHECKING:
     from shardwise.comm_stats import CommStats
-    from shardwise.train.loop import TrainConfig, TrainResult
 
 __all__ = ["ProgressBar", "format_bytes", "print_header", "summary_lines", "final_line", "print_summary"]
 
@@ -70,7 +71,7 @@ class ProgressBar:
             self.stream.flush()
 
 
-def print_header(cfg: "TrainConfig", world_size: int, device: str, n_params: int) -> None:
+def print_header(cfg: TrainConfig, world_size: int, device: str, n_params: int) -> None:
     """One line saying what is about to run."""
     m = cfg.model_config()
     print(
@@ -94,7 +95,7 @@ def _comm_lines(comm: "CommStats | None", steps: int) -> list[str]:
     return lines
 
 
-def final_line(result: "TrainResult") -> str:
+def final_line(result: TrainResult) -> str:
     """``final loss 2.3100 | 12,345 tokens/s | 1.2 MB/step/rank`` (``comm n/a`` without a tally)."""
     per_step = result.wire_bytes_per_step
     comm = "comm n/a" if per_step is None else f"{format_bytes(per_step)}/step/rank"
@@ -102,7 +103,7 @@ def final_line(result: "TrainResult") -> str:
     return f"final loss {loss} | {result.tokens_per_s:,.0f} tokens/s | {comm}"
 
 
-def summary_lines(result: "TrainResult") -> list[str]:
+def summary_lines(result: TrainResult) -> list[str]:
     """The summary block, ending with :func:`final_line`."""
     return [
         f"steps         {result.steps} on {result.world_size} ranks ({result.tokens_per_step:,} tokens/step)",
@@ -114,6 +115,6 @@ def summary_lines(result: "TrainResult") -> list[str]:
     ]
 
 
-def print_summary(result: "TrainResult") -> None:
+def print_summary(result: TrainResult) -> None:
     """Print :func:`summary_lines` to stdout."""
     print("\n".join(summary_lines(result)), flush=True)
