@@ -35,7 +35,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
     add("--nproc", type=int, default=2, help="ranks to launch here when not already under torchrun (default 2)")
     add("--model", choices=sorted(PRESETS), default=d.model,
-        help="size: tiny ~1M, small ~10M, medium ~50M parameters (default %(default)s)")
+        help="size: nano ~43K (tests), tiny ~1M, small ~10M, medium ~50M parameters (default %(default)s)")
     add("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
     add("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step (default %(default)s)")
     add("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default: the preset's)")

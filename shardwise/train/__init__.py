@@ -2,7 +2,7 @@
 
 One module per concept:
 
-- :mod:`~shardwise.train.model` — the GPT and its size presets (tiny ~1M, small ~10M, medium ~50M).
+- :mod:`~shardwise.train.model` — the GPT and its size presets (nano ~43K for tests, tiny ~1M, small ~10M, medium ~50M).
 - :mod:`~shardwise.train.data` — the byte-level corpus and per-rank batch sampling.
 - :mod:`~shardwise.train.distributed` — process group, device and mesh for this rank.
 - :mod:`~shardwise.train.sharding` — ``fully_shard`` per block then root, shardwise's or torch's.

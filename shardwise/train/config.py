@@ -27,7 +27,7 @@ class TrainConfig:
     """Everything a run needs; the CLI flags of ``shardwise train`` map onto these fields."""
 
     model: str = "tiny"
-    """Preset of :class:`GPTConfig`: ``tiny`` (~1M), ``small`` (~10M) or ``medium`` (~50M parameters)."""
+    """Preset of :class:`GPTConfig`: ``nano`` (~43K), ``tiny`` (~1M), ``small`` (~10M) or ``medium`` (~50M)."""
     steps: int = 150
     """Optimizer steps to run (150 on the tiny model take about a minute on 2 CPU ranks)."""
     batch_size: int = 16

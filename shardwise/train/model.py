@@ -66,13 +66,15 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
-        """The named preset (``tiny``, ``small``, ``medium``), with fields replaced by ``overrides``."""
+        """The named preset (``nano``, ``tiny``, ``small``, ``medium``), with fields replaced by ``overrides``."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
 PRESETS: dict[str, GPTConfig] = {
+    # 2 blocks x 12*32^2 + embeddings and head: 42K parameters; for tests and smoke runs.
+    "nano": GPTConfig(seq_len=32, dim=32, n_layers=2, n_heads=2),
     # 5 blocks x 12*128^2 + embeddings and head: 1.07M parameters.
     "tiny": GPTConfig(seq_len=128, dim=128, n_layers=5, n_heads=4),
     # 12 blocks x 12*256^2 + embeddings and head: 9.67M parameters.
