@@ -87,6 +87,24 @@ def _pick_device(device: str, local_rank: int, local_world_size: int) -> torch.d
     return torch.device("cuda", local_rank)
 
 
+def _init_default_group(backend: str, device_id: torch.device | None) -> None:
+    """``init_process_group`` from torchrun's environment, on a store private to this restart attempt.
+
+    torchrun (2.13) hands every attempt of a restarted job the same agent-hosted TCPStore,
+    and the keys of the previous attempt are still there: a rank of attempt 2 can read a
+    peer's attempt-1 gloo address and fail with "Connection refused" (pytorch/pytorch#135712).
+    Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` gives each attempt clean keys.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend, device_id=device_id)
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"shardwise/attempt_{attempt}", store),
+                            rank=rank, world_size=world_size, device_id=device_id)
+
+
 def setup(device: str = "auto", num_threads: int | None = None) -> DistEnv:
     """Initialise (or adopt) the default process group and build this rank's :class:`DistEnv`.
 
@@ -106,7 +124,7 @@ def setup(device: str = "auto", num_threads: int | None = None) -> DistEnv:
     if owns:
         if not is_under_launcher():
             raise RuntimeError("no process group: run under torchrun (or `shardwise train`, which launches it)")
-        dist.init_process_group(backend="nccl" if on_gpu else "gloo", device_id=dev if on_gpu else None)
+        _init_default_group("nccl" if on_gpu else "gloo", dev if on_gpu else None)
     mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
     env = DistEnv(dist.get_rank(), dist.get_world_size(), dev, mesh, owns)
     logger.info(
