@@ -139,6 +139,11 @@ def test_damaged_checkpoint_is_an_error_not_a_fresh_start(saved, single_rank, ho
         _resume(saved[0], single_rank)
 
 
+def test_a_run_without_resume_refuses_a_directory_holding_checkpoints(saved, single_rank):
+    with pytest.raises(CheckpointError, match="already holds checkpoints .latest: step-00000002.; pass --resume"):
+        train(_cfg(checkpoint_dir=str(saved[0])), single_rank)
+
+
 def test_checkpoint_of_another_shape_names_the_key_and_both_shapes(saved, single_rank):
     with pytest.raises(CheckpointError, match=r"'pos_embeddings.weight' has shape \(16, 32\) in the checkpoint "
                                               r"and \(32, 32\) in the model"):

@@ -160,13 +160,27 @@ class Checkpointer:
         logger.info("resumed from %s (step %d, saved by %d ranks)", path, step, manifest["world_size"])
         return step
 
-    def _resolve_latest(self) -> tuple[Path | None, dict]:
+    def check_unused(self) -> None:
+        """Raise (on every rank alike) if the directory already holds a committed checkpoint.
+
+        A run that does not resume must not mix its checkpoints with another run's, and its
+        retention would delete them.
+        """
+        path, _ = self._resolve_latest(verify=False)
+        if path is not None:
+            raise CheckpointError(
+                f"{self.dir.root} already holds checkpoints (latest: {path.name}); pass --resume to continue "
+                f"from it, or choose another --checkpoint-dir"
+            )
+
+    def _resolve_latest(self, verify: bool = True) -> tuple[Path | None, dict]:
         """Rank 0 reads the pointer and verifies the checkpoint; every rank gets the answer or the error."""
         outcome: list[Any] = [None]
         if self.rank == 0:
             try:
                 path = self.dir.latest()
-                outcome[0] = (None if path is None else str(path), {} if path is None else self.dir.verify(path))
+                manifest = self.dir.verify(path) if path is not None and verify else {}
+                outcome[0] = (None if path is None else str(path), manifest)
             except CheckpointError as e:
                 outcome[0] = e.args[0]
         dist.broadcast_object_list(outcome, src=0)

@@ -53,8 +53,14 @@ class RunCheckpoints:
             self.checkpointer = Checkpointer(policy, model, optimizer, stateful, meta=dataclasses.asdict(cfg))
 
     def resume(self, wanted: bool) -> int:
-        """The step to continue after: the newest checkpoint's with ``wanted`` (``--resume``), else 0."""
-        if not wanted or self.checkpointer is None:
+        """The step to continue after: the newest checkpoint's with ``wanted`` (``--resume``), else 0.
+
+        Without ``--resume`` the checkpoint directory must hold no committed checkpoint.
+        """
+        if self.checkpointer is None:
+            return 0
+        if not wanted:
+            self.checkpointer.check_unused()
             return 0
         return self.checkpointer.resume()
 
