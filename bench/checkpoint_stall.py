@@ -7,10 +7,10 @@ Runs ``shardwise train`` three times on the same local ranks and settings, each 
 - ``blocking``: ``--checkpoint-every K``;
 - ``async``: ``--checkpoint-every K --async-checkpoint``.
 
-and prints, per mode, the median step time of steps without a save, the stall of a save step
-(its step time above that median; rank 0's view, the one committing) and, for async, the extra
-time of the steps that ran while the background write was in flight (a background thread
-shares the cores)::
+and prints, per mode, medians (a shared machine is noisy): the step time of steps without a
+save, the stall of a save step (its step time above that median; rank 0's view, the one
+committing), the time the save call held the step (``checkpoint_s``), and the extra time of
+the step after a save, which the background write overlaps in async mode::
 
     .venv/bin/python -m bench.checkpoint_stall                       # small GPT, 2 ranks
     .venv/bin/python -m bench.checkpoint_stall --model tiny --steps 40 --every 10
@@ -46,7 +46,7 @@ def _run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict[int, d
 
 
 def _summary(records: dict[int, dict], every: int, last: int) -> dict[str, float]:
-    """Median plain step, mean stall of save steps, mean extra time of the steps after each save."""
+    """Median plain step, median stall of save steps, median extra time of the steps after each save."""
     saves = {s for s in records if records[s]["checkpoint_s"] > 0}
     after = {s + 1 for s in saves if s + 1 <= last}  # the background write overlaps these (async)
     plain = [r["step_s"] for s, r in records.items() if s > 1 and s not in saves and s not in after]
@@ -55,10 +55,10 @@ def _summary(records: dict[int, dict], every: int, last: int) -> dict[str, float
     extra = [records[s]["step_s"] - median for s in sorted(after)]
     return {
         "median_step_ms": 1e3 * median,
-        "save_step_stall_ms": 1e3 * statistics.mean(stall) if stall else float("nan"),
-        "held_by_save_ms": 1e3 * statistics.mean(records[s]["checkpoint_s"] for s in saves if s != last)
+        "save_step_stall_ms": 1e3 * statistics.median(stall) if stall else float("nan"),
+        "held_by_save_ms": 1e3 * statistics.median(records[s]["checkpoint_s"] for s in saves if s != last)
         if len(saves) > 1 else float("nan"),
-        "next_step_extra_ms": 1e3 * statistics.mean(extra) if extra else float("nan"),
+        "next_step_extra_ms": 1e3 * statistics.median(extra) if extra else float("nan"),
     }
 
 
