@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import shardwise
-from bench.memory import PeakMemory, tensors_of
+from shardwise.testing.memory import PeakMemory, tensors_of
 from shardwise import comm_stats
 from shardwise.testing import run_on_ranks
 from shardwise.train.model import GPT, GPTConfig

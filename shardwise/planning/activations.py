@@ -4,7 +4,7 @@ The model runs one forward, loss and backward under torch's ``FakeTensorMode``: 
 computes shapes only, so a 70B model costs what its few thousand ops cost in Python, and
 the attention kernel is the one the real CPU run picks (on the meta device SDPA would fall
 back to the math path and save the (T, T) attention matrix). A dispatch mode tracks the
-live bytes of every storage the step creates, as ``bench/memory.py`` measures a real
+live bytes of every storage the step creates, as ``shardwise.testing.memory`` measures a real
 step, except the parameters themselves and their gradients: the memory model accounts for
 those as shardwise holds them (sharded, gathered, packed).
 
