@@ -69,7 +69,14 @@ class _Inputs:
         key = (param_dtype, checkpointed)
         if key not in self._traces:
             fqns = [""] + self.block_fqns
-            self._traces[key] = trace_activations(self.model, fqns, self.batch, parse_dtype(param_dtype), checkpointed)
+            try:
+                self._traces[key] = trace_activations(self.model, fqns, self.batch, parse_dtype(param_dtype), checkpointed)
+            except Exception as e:
+                raise RuntimeError(
+                    f"shardwise.plan could not run {type(self.model).__name__} on a fake batch of token ids "
+                    f"{self.batch} to measure activations ({type(e).__name__}: {e}); pass batch=None to plan "
+                    "without activations"
+                ) from e
         return self._traces[key]
 
     def evaluator(self, setting: Setting, checkpointed: bool) -> Evaluator:
@@ -120,6 +127,14 @@ def plan(
         raise TypeError(f"shardwise.plan expects an nn.Module, got {type(model).__name__}")
     inputs = _Inputs(model, world_size, mesh_shape, mp_policy, optimizer, foreach, batch, device, offload, units)
     budget = parse_bytes(memory_budget)
+    ev, chosen, fits, checkpointed, advice = _choose(inputs, budget, activation_checkpointing, reshard_after_forward)
+    return _make_plan(inputs, ev, chosen, budget, fits, checkpointed, advice, reshard_after_forward is not None)
+
+
+def _choose(inputs: _Inputs, budget: int | None, activation_checkpointing, reshard_after_forward):
+    """(evaluator, chosen evaluation, fits, checkpointed, advice): the fixed policy when one is
+    given or there is no budget; else the cheapest fitting plan, turning activation
+    checkpointing on (when left to us) only if nothing fits without it."""
     n_blocks = len(inputs.block_fqns)
     checkpointed = bool(activation_checkpointing)
     ev = inputs.evaluator(inputs.setting, checkpointed)
@@ -127,17 +142,20 @@ def plan(
         rest = True if reshard_after_forward is None else reshard_after_forward
         chosen = ev.evaluate(layout(n_blocks, rest, 0), 0, rest)
         fits = None if budget is None else chosen.peak.total <= budget
-    else:
-        chosen, leanest = cheapest_fitting(ev, n_blocks, budget)
-        if chosen is None and activation_checkpointing is None and inputs.batch is not None:
-            ev_ac = inputs.evaluator(inputs.setting, True)
-            chosen, _ = cheapest_fitting(ev_ac, n_blocks, budget)
-            if chosen is not None:
-                ev, checkpointed = ev_ac, True
-        fits = chosen is not None
-        chosen = chosen or leanest
-    advice = _advice(inputs, budget, chosen, checkpointed) if fits is False else _notes(inputs, budget)
-    return _make_plan(inputs, ev, chosen, budget, fits, checkpointed, advice, reshard_after_forward is not None)
+        advice = _advice(inputs, budget, checkpointed) if fits is False else _notes(inputs)
+        return ev, chosen, fits, checkpointed, advice
+    chosen, leanest = cheapest_fitting(ev, n_blocks, budget)
+    notes = []
+    if chosen is None and activation_checkpointing is None and inputs.batch is not None:
+        ev_ac = inputs.evaluator(inputs.setting, True)
+        chosen, _ = cheapest_fitting(ev_ac, n_blocks, budget)
+        if chosen is not None:
+            ev, checkpointed = ev_ac, True
+            notes.append("activation checkpointing turned on: without it even the leanest plan needs "
+                         f"{format_bytes(leanest.peak.total)}")
+    if chosen is None:
+        return ev, leanest, False, checkpointed, _advice(inputs, budget, checkpointed)
+    return ev, chosen, True, checkpointed, notes + _notes(inputs)
 
 
 def _make_plan(inputs: _Inputs, ev: Evaluator, chosen: Evaluation, budget, fits, checkpointed, advice, forced) -> Plan:
@@ -172,13 +190,13 @@ def _reason(unit: UnitShape, policy, chosen: Evaluation, budget, forced: bool) -
     return f"keeps a 1/{policy} share: backward gathers over {policy} ranks only; fits the budget"
 
 
-def _notes(inputs: _Inputs, budget) -> list[str]:
+def _notes(inputs: _Inputs) -> list[str]:
     if inputs.batch is None:
         return ["activations not counted: pass batch=(batch_size, seq_len) to include them"]
     return []
 
 
-def _advice(inputs: _Inputs, budget: int, best: Evaluation, checkpointed: bool) -> list[str]:
+def _advice(inputs: _Inputs, budget: int, checkpointed: bool) -> list[str]:
     """What would make the least-memory plan fit: each remedy alone, predicted."""
     n_blocks = len(inputs.block_fqns)
     s = inputs.setting
