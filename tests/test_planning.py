@@ -136,3 +136,18 @@ def test_predictions_match_a_real_run(case):
     assert full["counts_predicted"] == full["counts_measured"]
     assert abs(no_act["predicted_no_act"] - no_act["measured"]) <= 0.10 * no_act["measured"]
     assert abs(full["predicted"] - full["measured"]) <= 0.20 * full["measured"]
+
+
+def _train_auto() -> tuple[int, int, float]:
+    from shardwise.train import distributed
+    from shardwise.train.loop import TrainConfig, train
+
+    cfg = TrainConfig(steps=3, batch_size=2, seq_len=64, auto=True, device="cpu", data_bytes=50_000)
+    result = train(cfg, distributed.setup("cpu", num_threads=1))
+    return result.predicted_peak_bytes, result.measured_peak_bytes, result.final_loss
+
+
+def test_train_auto_reports_predicted_against_measured_peak():
+    predicted, measured, loss = run_on_ranks(_train_auto, 2, timeout=TIMEOUT)[0]
+    assert predicted and measured and loss == loss
+    assert abs(predicted - measured) <= 0.20 * measured
