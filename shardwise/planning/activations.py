@@ -70,6 +70,14 @@ def synthetic_marks(unit_fqns: list[str]) -> list[Mark]:
 class _LiveBytes(TorchDispatchMode):
     """Live storage bytes of the fake step (parameters and buffers excluded), per segment."""
 
+    live: int  # bytes of the tracked storages alive now
+    marks: list[Mark]  # lifecycle points so far
+    at_mark: list[int]  # live bytes at each mark
+    seg_max: list[int]  # most live bytes since each mark
+    grad_arrivals: list[tuple[int, str]]  # (mark index, param FQN) of each accumulated grad
+    _ignored: set[int]  # StorageImpl addresses of the params and buffers
+    _sizes: dict[int, int]  # StorageImpl address -> nbytes, for tracked storages
+
     def __init__(self, ignored: set[int], seed: list[torch.Tensor]):
         super().__init__()
         self._ignored = ignored

@@ -107,6 +107,18 @@ class UnitBytes:
 class _Step:
     """Replays one step's events for a fixed wrapping, keeping the live bytes and the peak."""
 
+    bytes: dict[str, UnitBytes]  # unit FQN -> its buffers (units with params only)
+    policy: dict[str, bool | int]  # unit FQN -> reshard_after_forward
+    live: Counter  # category -> bytes alive now (activations apart: ``act``)
+    act: int  # activation bytes at the current point (from the trace)
+    peak: MemoryBreakdown  # the largest total so far and where it happened
+    unsharded: set[str]  # units whose unsharded params are registered (copied out)
+    pending_gather: dict[str, tuple[int, int, bool]]  # in-flight all-gathers: (output, scratch, direct)
+    pf_shard: dict[str, int]  # int reshard: the N/k share kept between forward and backward
+    pending_reduce: dict[str, UnitBytes]  # reductions started, not finished
+    reducing: str | None  # the unit whose reduction the next post-backward waits for
+    unit_grads: Counter  # unit FQN -> unsharded grad bytes alive (until its pack)
+
     def __init__(self, units: list[UnitShape], policies: list, setting: Setting, trace: ActivationTrace | None):
         self.setting = setting
         self.n = setting.shard_size
