@@ -43,11 +43,13 @@ class AccuracyCase:
     batch_size: int = 2
     seq_len: int | None = None  # None: the preset's
     mesh_shape: tuple[int, int] | None = None  # HSDP (replicate, shard); None: 1-D over world_size
+    checkpointing: bool = False  # activation checkpointing of every block (applied by auto_shard)
 
     @property
     def label(self) -> str:
         mesh = f" mesh {self.mesh_shape[0]}x{self.mesh_shape[1]}" if self.mesh_shape else ""
-        return f"{self.model} ws{self.world_size}{mesh} rs={self.reshard} {self.dtype}"
+        ac = " AC" if self.checkpointing else ""
+        return f"{self.model} ws{self.world_size}{mesh} rs={self.reshard} {self.dtype}{ac}"
 
 
 def build_model(name: str) -> tuple[torch.nn.Module, int, int]:
@@ -86,7 +88,8 @@ def measure_case(case: AccuracyCase, batch: tuple[int, int] | None = None) -> di
     b, t = batch or (case.batch_size, case.seq_len or seq)
     mp = shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.dtype == "bf16" else None
     plan = shardwise.plan(model, mesh_shape=case.mesh_shape or (dist.get_world_size(),), device="cpu", mp_policy=mp,
-                          batch=(b, t), reshard_after_forward=case.reshard, foreach=True)
+                          batch=(b, t), reshard_after_forward=case.reshard, foreach=True,
+                          activation_checkpointing=case.checkpointing)
     shardwise.auto_shard(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x, y = _batch(vocab, b, t, dist.get_rank())
@@ -135,12 +138,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--models", nargs="*")
     parser.add_argument("--hsdp", action="store_true", help="only the HSDP cases (4 ranks as 2 x 2)")
+    parser.add_argument("--ac", action="store_true", help="only activation-checkpointing cases (2 ranks)")
     args = parser.parse_args(argv)
     todo = cases(args.quick)
     if args.models:
         todo = [c for c in todo if c.model in args.models]
     if args.hsdp:
         todo = [AccuracyCase(m, 4, rs, dt, mesh_shape=(2, 2)) for m in (args.models or ["tiny"])
+                for rs in (True, False) for dt in ("fp32", "bf16")]
+    if args.ac:
+        todo = [AccuracyCase(m, 2, rs, dt, checkpointing=True) for m in (args.models or ["tiny"])
                 for rs in (True, False) for dt in ("fp32", "bf16")]
     print("| case | no-act pred / meas (MiB) | err | with-act pred / meas (MiB) | err | wire exact | counts exact |")
     print("|---|---|---|---|---|---|---|")
