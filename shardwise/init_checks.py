@@ -9,7 +9,8 @@
 * :func:`check_ranks_agree`: ranks that built different models would issue collectives
   of different sizes and hang or corrupt data. Every rank publishes its parameter
   shapes/dtypes in the c10d store (no collective) and compares with the others; a rank
-  that never arrives is a timeout error naming it, not a hang.
+  that never arrives is a timeout error naming it, not a hang. Keys are counted per rank
+  in the store, so ranks that are threads of one process (the "threaded" backend) agree.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ if TYPE_CHECKING:  # imports for annotations only; state.py imports this module
 
 # Keyed by identity (tensors' __eq__ is elementwise) and weak, so freed params drop out.
 _CLAIMS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
-_CHECK_ROUND = [0]
 
 
 def claim_original_param(param: nn.Parameter, sharded: "ShardedParam") -> "weakref.ref | None":
@@ -59,11 +59,11 @@ def check_no_param_in_two_groups(states: list["ModuleState"]) -> None:
         for p in state.group.params:
             other = p.shared_with() if p.shared_with is not None else None
             if other is not None:
-                raise ValueError(
-                    f"parameter {p.fqn!r} is the same nn.Parameter as {other.fqn!r}, which an earlier "
-                    "fully_shard call already manages; a parameter can belong to only one fully_shard "
-                    "group: apply fully_shard to a common ancestor of both modules, or group them with "
-                    "fully_shard([module_a, module_b])"
+                raise ValueError(  # torch's phrase first: users' tests match on it
+                    f"parameter {p.fqn!r} is shared with a parameter already managed by another "
+                    f"fully_shard group: it is the same nn.Parameter as {other.fqn!r}, and a parameter "
+                    "can belong to only one group; apply fully_shard to a common ancestor of both "
+                    "modules, or group them with fully_shard([module_a, module_b])"
                 )
 
 
@@ -83,8 +83,7 @@ def check_ranks_agree(states: list["ModuleState"]) -> None:
     if len(ranks) == 1:
         return
     store = dist.distributed_c10d._get_default_store()
-    _CHECK_ROUND[0] += 1
-    prefix = f"shardwise/init/{_CHECK_ROUND[0]}/{'-'.join(map(str, ranks))}"
+    prefix = f"shardwise/init/{_check_round(store, ranks)}/{'-'.join(map(str, ranks))}"
     mine = _signature(states)
     store.set(f"{prefix}/{dist.get_rank()}", pickle.dumps(mine))
     keys = [f"{prefix}/{r}" for r in ranks]
@@ -99,6 +98,19 @@ def check_ranks_agree(states: list["ModuleState"]) -> None:
         ) from err
     for rank, key in zip(ranks, keys):
         _compare(mine, pickle.loads(store.get(key)), rank)
+
+
+def _check_round(store: dist.Store, ranks: list[int]) -> int:
+    """How many checks over ``ranks`` this rank has started, counted in the store itself.
+
+    Every rank of the mesh runs the same sequence of checks, so the n-th check of each
+    rank meets the others' n-th under the same keys. The count is per rank, not per
+    process: with ``init_process_group("threaded")`` the ranks are threads of one process,
+    and a process-wide counter would give each thread a different round (and a hang).
+    Kept in the store, it starts afresh with each new store (a new process group).
+    """
+    key = f"shardwise/init/rounds/{'-'.join(map(str, ranks))}/{dist.get_rank()}"
+    return store.add(key, 1)
 
 
 def _compare(mine: list[tuple], theirs: list[tuple], rank: int) -> None:

@@ -157,8 +157,10 @@ class GradReducer:
         mesh_info = group.mesh_info
         n = mesh_info.shard_size
         dtype = self._reduce_dtype(grads[0].dtype)
-        plan = collectives.plan_reduction(dtype, n * mesh_info.replicate_size, self.divide_factor, n)
+        plan = collectives.plan_reduction(dtype, n * mesh_info.replicate_size, self.divide_factor, n, self.force_sum)
         packed = self._pack(params, grads, dtype, plan.pre_divide)  # (N, Pg) in reduce_dtype
+        if plan.pre_multiply != 1.0:
+            packed.mul_(plan.pre_multiply)
         tracing.emit("reduce", group.fqn, group.training_state.value)
         if n == 1:
             self._pending = self._start_without_shards(params, packed, plan.post_divide)
