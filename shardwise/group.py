@@ -61,7 +61,8 @@ class ParamGroup:
     sharded_state: ShardedState
     reducer: GradReducer
     post_forward: PostForwardGroup | None  # set for reshard_after_forward=int
-    _flat_shard: torch.Tensor  # (P,) padded shards, original dtype, on device or host
+    _flat: torch.Tensor  # (P,) padded shards, original dtype, on device or host (read via _flat_shard)
+    _params_replaced: bool  # module._apply swapped the params' local tensors: rebuild _flat lazily
     _offsets: list[int]  # start of each param's padded shard in _flat_shard
     _unsharded_flat: torch.Tensor | None  # (N*P,) in param dtype; storage empty while sharded
     _segments: list[torch.Tensor]  # per param (N*pn,) views into _unsharded_flat
@@ -105,6 +106,7 @@ class ParamGroup:
             self._offsets.append(offset)
             offset += p.padded_numel
         self._total_numel = offset
+        self._params_replaced = False
         self._build_flat_shard([p.local_chunk(o) for p, o in zip(params, originals)])
         for p, local in zip(params, self._shard_views()):
             p.init_sharded_param(local)
@@ -131,7 +133,7 @@ class ParamGroup:
         flat = torch.zeros(self._total_numel, dtype=locals_[0].dtype, device=device)
         if self.pin_memory:
             flat = flat.pin_memory()
-        self._flat_shard = flat
+        self._flat = flat
         if not flat.is_meta:
             with torch.no_grad():
                 for view, local in zip(self._shard_views(), locals_):
@@ -141,14 +143,39 @@ class ParamGroup:
         return torch.device("cpu") if self.offload else self.device
 
     def _shard_views(self) -> list[torch.Tensor]:
-        flat = self._flat_shard
+        flat = self._flat
         return [p.shard_view(flat[o : o + p.padded_numel]) for p, o in zip(self.params, self._offsets)]
 
+    @property
+    def _flat_shard(self) -> torch.Tensor:
+        """The flat shard buffer, rebuilt first if ``module._apply`` replaced the params' data."""
+        if self._params_replaced:
+            self._rebuild_flat_shard()
+        return self._flat
+
     def reset_sharded_params(self) -> None:
-        """After ``module._apply`` (``.to(dtype)``, ``to_empty``): rebuild the flat shard from
-        the params' current local tensors and repoint them into it, keeping param identity."""
+        """After ``module._apply`` (``.to(dtype)``, ``to_empty``) on one member module: the
+        params' DTensors now wrap new local tensors, outside the flat shard.
+
+        Nothing is rebuilt here: ``_apply`` on a parent visits a grouped call's members one
+        at a time (``fully_shard([norm, output])``), so when the first member is converted
+        the others are still on meta or in the old dtype. The flat shard is rebuilt from the
+        params' then-current local tensors on its next use (unshard, or any read of
+        ``_flat_shard``), after the user's weight init, keeping every param's identity.
+        """
         self.reshard()
+        self._params_replaced = True
+
+    def _rebuild_flat_shard(self) -> None:
+        self._params_replaced = False
         locals_ = [p.sharded_param._local_tensor for p in self.params]
+        on_meta = [p.fqn for p, t in zip(self.params, locals_) if t.is_meta]
+        if on_meta and len(on_meta) < len(locals_):
+            raise RuntimeError(
+                f"{self.fqn or 'a fully_shard group'}: parameters {on_meta} are still on the meta device while "
+                "the rest of their group was materialized; call to_empty(device=...) on a module containing "
+                "every module of the group (e.g. the root)"
+            )
         self._build_flat_shard(locals_)
         for p, view in zip(self.params, self._shard_views()):
             p.repoint_local(view)
