@@ -140,7 +140,7 @@ class GradReducer:
             if grad is None and acc is None:
                 if not (self.reduce_scatter_unused_params and p.requires_grad):
                     continue
-                dtype = self._reduce_dtype(self.group.param_dtype)
+                dtype = self._reduce_dtype(p.sharded_param.dtype)
                 grad = torch.zeros(p.unsharded_size, dtype=dtype, device=self.group.device)
             if unsharded is not None:
                 unsharded.grad = None
