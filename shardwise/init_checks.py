@@ -19,28 +19,42 @@ import datetime
 import os
 import pickle
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-if TYPE_CHECKING:  # imports for annotations only; state.py imports this module
-    from shardwise.param import ShardedParam
-    from shardwise.state import ModuleState
+from shardwise.mesh import MeshInfo
+from shardwise.param import ShardedParam
+
+
+class _CheckedGroup(Protocol):
+    fqn: str
+    params: list[ShardedParam]
+
+
+class CheckedState(Protocol):
+    """What the checks read from a ``state.ModuleState`` (declared here, below state.py,
+    so imports flow one way)."""
+
+    modules: tuple[nn.Module, ...]
+    fqn: str
+    group: _CheckedGroup | None
+    mesh_info: MeshInfo
 
 # Keyed by identity (tensors' __eq__ is elementwise) and weak, so freed params drop out.
 _CLAIMS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
-def claim_original_param(param: nn.Parameter, sharded: "ShardedParam") -> "weakref.ref | None":
+def claim_original_param(param: nn.Parameter, sharded: ShardedParam) -> "weakref.ref | None":
     """Record that ``sharded`` now manages ``param``; return the earlier claimant, if any."""
     earlier = _CLAIMS.get(param)
     _CLAIMS[param] = weakref.ref(sharded)
     return earlier
 
 
-def assign_fqns(root: nn.Module, states: list["ModuleState"]) -> None:
+def assign_fqns(root: nn.Module, states: list[CheckedState]) -> None:
     names = {id(module): name for name, module in root.named_modules()}
     for state in states:
         state.fqn = ", ".join(names.get(id(m), type(m).__name__) for m in state.modules)
@@ -52,7 +66,7 @@ def assign_fqns(root: nn.Module, states: list["ModuleState"]) -> None:
             p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
 
 
-def check_no_param_in_two_groups(states: list["ModuleState"]) -> None:
+def check_no_param_in_two_groups(states: list[CheckedState]) -> None:
     for state in states:
         if state.group is None:
             continue
@@ -67,7 +81,7 @@ def check_no_param_in_two_groups(states: list["ModuleState"]) -> None:
                 )
 
 
-def _signature(states: list["ModuleState"]) -> list[tuple]:
+def _signature(states: list[CheckedState]) -> list[tuple]:
     rows = []
     for state in states:
         if state.group is None:
@@ -77,7 +91,7 @@ def _signature(states: list["ModuleState"]) -> list[tuple]:
     return rows
 
 
-def check_ranks_agree(states: list["ModuleState"]) -> None:
+def check_ranks_agree(states: list[CheckedState]) -> None:
     """Compare parameter names, shapes and dtypes across the root mesh's ranks via the store."""
     ranks = states[0].mesh_info.mesh.mesh.flatten().tolist()
     if len(ranks) == 1:

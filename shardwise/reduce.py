@@ -19,18 +19,31 @@ shard accumulates locally and the all-reduce waits for the next backward that al
 from __future__ import annotations
 
 import dataclasses
+import enum
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from shardwise import collectives, tracing
 from shardwise.buffers import ReusableBuffer
+from shardwise.mesh import MeshInfo
 from shardwise.param import ShardedParam
+from shardwise.policies import MixedPrecisionPolicy
 
-if TYPE_CHECKING:  # the group owns its reducer; the reducer only points back weakly
-    from shardwise.group import ParamGroup
+
+class ReducingGroup(Protocol):
+    """What a reducer reads from the group that owns it (``group.ParamGroup``). Declared
+    here, below group.py, so imports flow one way: the group owns its reducer, the
+    reducer only points back weakly and knows the group by this shape."""
+
+    params: list[ShardedParam]
+    mesh_info: MeshInfo
+    mp_policy: MixedPrecisionPolicy
+    device: torch.device
+    fqn: str
+    training_state: enum.Enum  # group.TrainingState
 
 
 @dataclasses.dataclass
@@ -60,7 +73,7 @@ class GradReducer:
     _partial: _PendingReduce | None  # HSDP shard reduced but not yet all-reduced
     _grad_buffer: ReusableBuffer  # shard size 1: the buffer the gradients live in
 
-    def __init__(self, group: "ParamGroup"):
+    def __init__(self, group: ReducingGroup):
         self._group_ref = weakref.ref(group)
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -76,7 +89,7 @@ class GradReducer:
         self._grad_buffer = ReusableBuffer()
 
     @property
-    def group(self) -> "ParamGroup":
+    def group(self) -> ReducingGroup:
         return self._group_ref()
 
     def _reduce_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
