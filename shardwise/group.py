@@ -25,6 +25,7 @@ import enum
 import torch
 
 from shardwise import collectives, tracing
+from shardwise.layout import FlatLayout
 from shardwise.mesh import MeshInfo, PostForwardGroup
 from shardwise.param import ShardedParam, ShardedState
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -61,10 +62,11 @@ class ParamGroup:
     sharded_state: ShardedState
     reducer: GradReducer
     post_forward: PostForwardGroup | None  # set for reshard_after_forward=int
-    _flat_shard: torch.Tensor  # (P,) padded shards, original dtype, on device or host
-    _offsets: list[int]  # start of each param's padded shard in _flat_shard
+    _flat: torch.Tensor  # (P,) padded shards, original dtype, on device or host (read via _flat_shard)
+    _params_replaced: bool  # module._apply swapped the params' local tensors: rebuild _flat lazily
+    _layout: FlatLayout  # where each param's padded shard lives in the flat buffers
     _unsharded_flat: torch.Tensor | None  # (N*P,) in param dtype; storage empty while sharded
-    _segments: list[torch.Tensor]  # per param (N*pn,) views into _unsharded_flat
+    _segments: list[torch.Tensor]  # per param (N*width,) views into _unsharded_flat, in gather units
     _post_forward_shard: torch.Tensor | None  # (N/k*P,) our block's share, between fwd and bwd
 
     def __init__(
@@ -99,12 +101,7 @@ class ParamGroup:
         self.post_optim_event = None
         self.allocate_from_process_group = False  # NCCL zero-copy staging; a no-op on gloo
         self.symm_mem = False  # NCCL symmetric-memory staging
-        self._offsets = []
-        offset = 0
-        for p in params:
-            self._offsets.append(offset)
-            offset += p.padded_numel
-        self._total_numel = offset
+        self._params_replaced = False
         self._build_flat_shard([p.local_chunk(o) for p, o in zip(params, originals)])
         for p, local in zip(params, self._shard_views()):
             p.init_sharded_param(local)
@@ -119,19 +116,16 @@ class ParamGroup:
     # ---- the flat shard ---------------------------------------------------------------
 
     def _build_flat_shard(self, locals_: list[torch.Tensor]) -> None:
-        """Allocate the flat shard buffer and copy each param's real rows into its segment."""
-        dtypes = {t.dtype for t in locals_}
-        if len(dtypes) > 1:
-            names = ", ".join(f"{p.fqn}: {t.dtype}" for p, t in zip(self.params, locals_))
-            raise NotImplementedError(
-                f"fully_shard needs one dtype per group, got {names}; call fully_shard separately on the "
-                "submodules whose parameters differ in dtype, or cast the module first"
-            )
+        """Lay the params out (:class:`~shardwise.layout.FlatLayout`), allocate the flat shard
+        buffer and copy each param's real rows into its segment."""
+        layout = FlatLayout.build([p.padded_numel for p in self.params], [t.dtype for t in locals_])
+        layout.check_trainable_uniform([p.fqn for p in self.params], [p.requires_grad for p in self.params])
+        self._layout = layout
         device = locals_[0].device if locals_[0].is_meta else self._storage_device()
-        flat = torch.zeros(self._total_numel, dtype=locals_[0].dtype, device=device)
+        flat = torch.zeros(layout.total, dtype=layout.storage_dtype, device=device)
         if self.pin_memory:
             flat = flat.pin_memory()
-        self._flat_shard = flat
+        self._flat = flat
         if not flat.is_meta:
             with torch.no_grad():
                 for view, local in zip(self._shard_views(), locals_):
@@ -141,14 +135,38 @@ class ParamGroup:
         return torch.device("cpu") if self.offload else self.device
 
     def _shard_views(self) -> list[torch.Tensor]:
-        flat = self._flat_shard
-        return [p.shard_view(flat[o : o + p.padded_numel]) for p, o in zip(self.params, self._offsets)]
+        return [p.shard_view(self._layout.segment(self._flat, i)) for i, p in enumerate(self.params)]
+
+    @property
+    def _flat_shard(self) -> torch.Tensor:
+        """The flat shard buffer, rebuilt first if ``module._apply`` replaced the params' data."""
+        if self._params_replaced:
+            self._rebuild_flat_shard()
+        return self._flat
 
     def reset_sharded_params(self) -> None:
-        """After ``module._apply`` (``.to(dtype)``, ``to_empty``): rebuild the flat shard from
-        the params' current local tensors and repoint them into it, keeping param identity."""
+        """After ``module._apply`` (``.to(dtype)``, ``to_empty``) on one member module: the
+        params' DTensors now wrap new local tensors, outside the flat shard.
+
+        Nothing is rebuilt here: ``_apply`` on a parent visits a grouped call's members one
+        at a time (``fully_shard([norm, output])``), so when the first member is converted
+        the others are still on meta or in the old dtype. The flat shard is rebuilt from the
+        params' then-current local tensors on its next use (unshard, or any read of
+        ``_flat_shard``), after the user's weight init, keeping every param's identity.
+        """
         self.reshard()
+        self._params_replaced = True
+
+    def _rebuild_flat_shard(self) -> None:
+        self._params_replaced = False
         locals_ = [p.sharded_param._local_tensor for p in self.params]
+        on_meta = [p.fqn for p, t in zip(self.params, locals_) if t.is_meta]
+        if on_meta and len(on_meta) < len(locals_):
+            raise RuntimeError(
+                f"{self.fqn or 'a fully_shard group'}: parameters {on_meta} are still on the meta device while "
+                "the rest of their group was materialized; call to_empty(device=...) on a module containing "
+                "every module of the group (e.g. the root)"
+            )
         self._build_flat_shard(locals_)
         for p, view in zip(self.params, self._shard_views()):
             p.repoint_local(view)
@@ -191,16 +209,23 @@ class ParamGroup:
         if self._aliases_shard:
             self._unsharded_flat = self._flat_shard
         else:
-            self._unsharded_flat = torch.empty(n * self._total_numel, dtype=self.param_dtype, device=self.device)
-        self._segments = []
-        offset = 0
-        for p in self.params:
-            segment = self._unsharded_flat[offset : offset + p.gathered_numel()]
-            self._segments.append(segment)
-            p.init_unsharded_param(segment)
-            offset += p.gathered_numel()
+            width = sum(self._gather_widths())
+            self._unsharded_flat = torch.empty(n * width, dtype=self.param_dtype, device=self.device)
+        self._segments = [None] * len(self.params)
+        offset, widths = 0, self._gather_widths()
+        for i in self._layout.order:
+            self._segments[i] = self._unsharded_flat[offset : offset + n * widths[i]]
+            self.params[i].init_unsharded_param(self._layout.as_param(self._segments[i], i))
+            offset += n * widths[i]
         if self._unsharded_flat is not self._flat_shard:
             self._unsharded_flat.untyped_storage().resize_(0)
+
+    def _gather_widths(self) -> tuple[int, ...]:
+        """Each param's length in one rank's all-gather row (param_dtype units)."""
+        return self._layout.gather_widths(self.param_dtype)
+
+    def _in_gather_order(self, per_param: list) -> list:
+        return [per_param[i] for i in self._layout.order]
 
     def _allocate_unsharded_storage(self) -> None:
         """Give the unsharded buffer its bytes — as late as possible: at copy-out, so an
@@ -215,7 +240,7 @@ class ParamGroup:
         if self._post_forward_shard is not None:
             pf = self.post_forward
             return self._post_forward_shard, pf.group, pf.size
-        gather_input = self._flat_shard.to(self.device, self.param_dtype, non_blocking=True)
+        gather_input = self._layout.gather_input(self._flat_shard, self.device, self.param_dtype)
         return gather_input, self.mesh_info.shard_group, self.mesh_info.shard_size
 
     def unshard(self, async_op: bool = False) -> None:
@@ -297,13 +322,14 @@ class ParamGroup:
         if pending.gathered is not self._segments[0]:
             self._allocate_unsharded_storage()
             n = pending.num_shards
-            sizes = [p.gathered_numel() // n for p in self.params]
-            collectives.copy_out(pending.gathered, n, sizes, self._segments)
+            rows = self.mesh_info.shard_size // n  # N/k rows of each param per rank after an int reshard
+            sizes = self._in_gather_order([rows * w for w in self._gather_widths()])
+            collectives.copy_out(pending.gathered, n, sizes, self._in_gather_order(self._segments))
         for buffer in pending.scratch:
             collectives.free_storage(buffer)
         self._post_forward_shard = None
-        for p, segment in zip(self.params, self._segments):
-            p.finish_copy_out(segment)
+        for i, (p, segment) in enumerate(zip(self.params, self._segments)):
+            p.finish_copy_out(self._layout.as_param(segment, i))
         self._register_unsharded()
 
     def _register_unsharded(self) -> None:
@@ -342,7 +368,7 @@ class ParamGroup:
             self.reshard()
             return
         k, j = self.post_forward.size, self.post_forward.rank
-        pieces = [segment.view(k, -1)[j] for segment in self._segments]  # each (N/k*pn,)
+        pieces = [segment.view(k, -1)[j] for segment in self._in_gather_order(self._segments)]  # each (N/k*w,)
         self._post_forward_shard = torch.cat(pieces)  # (N/k*P,)
         self._free_unsharded()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD

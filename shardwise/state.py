@@ -46,6 +46,7 @@ class IterationContext:
     states: list["ModuleState"]  # pre-order from the root
     post_forward_order: list["ModuleState"]  # states in the order their forward finished
     final_callback_queued: bool
+    partial_callback_queued: bool  # a standalone (chunked-loss) backward's callback
     reducing: ParamGroup | None  # the group whose reduction was issued last
     forward_prefetcher: ForwardPrefetcher  # implicit forward prefetch (CPU devices)
 
@@ -57,6 +58,7 @@ class IterationContext:
         self.states = states
         self.post_forward_order = []
         self.final_callback_queued = False
+        self.partial_callback_queued = False
         self.reducing = None
         self.is_last_backward = True
         self.iter_root = None
@@ -66,12 +68,27 @@ class IterationContext:
         """Queue the end-of-backward callback, from the root or the iteration's first module.
 
         A standalone call of a non-root module after the root's forward (a chunked loss head)
-        backpropagates without ending the iteration: its reduction waits for the root's.
+        backpropagates without ending the iteration; at the end of that backward only the
+        reductions it issued are finished, so its ``.grad`` is set and grows per chunk, as
+        torch's.
         """
-        if self.final_callback_queued or not (state.is_root or state is self.iter_root):
+        if self.final_callback_queued:
             return
-        self.final_callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+        engine = torch.autograd.Variable._execution_engine
+        if state.is_root or state is self.iter_root:
+            self.final_callback_queued = True
+            engine.queue_callback(self._final_callback)
+        elif not self.partial_callback_queued:
+            self.partial_callback_queued = True
+            engine.queue_callback(self._partial_callback)
+
+    def _partial_callback(self) -> None:
+        """End of a standalone module's backward: finish the reductions it left in flight."""
+        self.partial_callback_queued = False
+        for state in self.states:
+            if state.group is not None and state.group.training_state == TrainingState.POST_BACKWARD:
+                state.group.finish_reduce()
+        self.reducing = None
 
     def _final_callback(self) -> None:
         """End of the iteration's backward: reduce what no trigger reached (the root, whose

@@ -63,11 +63,12 @@ def reduction_kind(setting: Setting) -> tuple[str, bool]:
     """(kind comm_stats records for a gradient reduce-scatter, whether it holds a receive
     buffer of (N-1)/N of its input while in flight).
 
-    gloo (CPU) reduce-scatters as an all-to-all plus a local sum unless
-    ``SHARDWISE_GLOO_REDUCE_SCATTER=native`` (collectives.use_all_to_all_reduce); over more
-    than 2 ranks the all-to-all receives into a buffer of its own.
+    Every backend reduce-scatters natively (torch's collective kinds) unless gloo (CPU) is
+    asked for an all-to-all plus a local sum with ``SHARDWISE_GLOO_REDUCE_SCATTER=all_to_all``
+    (collectives.use_all_to_all_reduce); over more than 2 ranks that all-to-all receives into
+    a buffer of its own.
     """
-    if setting.device == "cpu" and os.environ.get("SHARDWISE_GLOO_REDUCE_SCATTER", "all_to_all") != "native":
+    if setting.device == "cpu" and os.environ.get("SHARDWISE_GLOO_REDUCE_SCATTER", "native") == "all_to_all":
         return "all_to_all", setting.shard_size > 2
     return "reduce_scatter", False
 
