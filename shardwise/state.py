@@ -25,6 +25,7 @@ from torch.distributed._composable_state import _State
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise import init_checks, tracing
+from shardwise.dynamo_compat import run_eagerly
 from shardwise.group import ParamGroup, TrainingState
 from shardwise.mesh import MeshInfo
 from shardwise.policies import MixedPrecisionPolicy
@@ -150,9 +151,9 @@ class ModuleState(_State):
         self.unshard_async_op = False  # torch's _set_unshard_async_op; shardwise is always async inside
         self._post_forward_indices: list[int] = []
         self._members_to_run: set[int] = {id(m) for m in self.modules}  # grouped call: who has not run
-        for module in self.modules:
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook, prepend=False, with_kwargs=True)
+        for module in self.modules:  # hooks hidden from torch.compile: see dynamo_compat
+            module.register_forward_pre_hook(run_eagerly(self._pre_forward_hook), prepend=True, with_kwargs=True)
+            module.register_forward_hook(run_eagerly(self._post_forward_hook), prepend=False, with_kwargs=True)
 
     def __repr__(self) -> str:
         return f"ModuleState({self.fqn or type(self.modules[0]).__name__!r}, root={self.is_root})"
