@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from shardwise import init_checks
+from shardwise.dynamo_compat import implements_forward
 from shardwise.group import ParamGroup
 from shardwise.mesh import MeshInfo, default_mesh, fully_shard_mesh_info, post_forward_group, spmd_mesh_info
 from shardwise.module import FSDPModule
@@ -116,7 +117,7 @@ def _check_modules(module: object, api: str) -> list[nn.Module]:
     for m in modules:
         if not isinstance(m, nn.Module):
             raise ValueError(f"{api} expects an nn.Module or a list of them, got {type(m).__name__}: {m!r}")
-        if type(m).forward is nn.Module.forward:
+        if not implements_forward(m):
             raise ValueError(
                 f"{api} does not support {type(m).__name__}: it implements no forward() (a container); "
                 f"apply it to each child module (for layer in model.layers: {api}(layer)) or to the parent"

@@ -371,9 +371,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._pre_forward_hook(module, args, kwargs)
+        args, kwargs = state.pre_forward_hook(module, args, kwargs)
         output = method(*args, **kwargs)
-        return state._post_forward_hook(module, args, kwargs, output)
+        return state.post_forward_hook(module, args, kwargs, output)
 
     setattr(module, method_name, wrapped)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -25,6 +25,7 @@ from torch.distributed._composable_state import _State
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise import init_checks, tracing
+from shardwise.dynamo_compat import run_eagerly
 from shardwise.group import ParamGroup, TrainingState
 from shardwise.mesh import MeshInfo
 from shardwise.policies import MixedPrecisionPolicy
@@ -149,6 +150,8 @@ class ModuleState(_State):
     ctx: IterationContext | None
     forward_prefetch: list["ModuleState"] | None  # None: implicit on CPU (next in forward order)
     backward_prefetch: list["ModuleState"] | None  # None: implicit (reverse forward order)
+    pre_forward_hook: Callable  # _pre_forward_hook, never traced by torch.compile (dynamo_compat)
+    post_forward_hook: Callable  # _post_forward_hook, likewise
 
     def __init__(self, modules, group, mesh_info, device, mp_policy, reshard_after_forward):
         super().__init__()
@@ -167,9 +170,12 @@ class ModuleState(_State):
         self.unshard_async_op = False  # torch's _set_unshard_async_op; shardwise is always async inside
         self._post_forward_indices: list[int] = []
         self._members_to_run: set[int] = {id(m) for m in self.modules}  # grouped call: who has not run
+        # The hooks as every caller must use them: never traced by torch.compile (dynamo_compat).
+        self.pre_forward_hook = run_eagerly(self._pre_forward_hook)
+        self.post_forward_hook = run_eagerly(self._post_forward_hook)
         for module in self.modules:
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook, prepend=False, with_kwargs=True)
+            module.register_forward_pre_hook(self.pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward_hook, prepend=False, with_kwargs=True)
 
     def __repr__(self) -> str:
         return f"ModuleState({self.fqn or type(self.modules[0]).__name__!r}, root={self.is_root})"
