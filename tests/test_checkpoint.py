@@ -19,11 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shardwise.checkpoint import CheckpointDir, CheckpointError
 from shardwise.checkpoint.faults import parse_faults
-from shardwise.train import distributed
 from shardwise.train.config import TrainConfig
 from shardwise.train.loop import train
 from shardwise.train.metrics import read_metrics
@@ -40,19 +38,6 @@ KILL_POINTS = {
     "ckpt_before_pointer_replace": 1,
     "ckpt_mid_prune": 2,
 }
-
-
-@pytest.fixture
-def single_rank():
-    if dist.is_initialized():
-        pytest.fail("a default process group is already initialised by an earlier test")
-    threads = torch.get_num_threads()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield distributed.setup("cpu", num_threads=1)
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
 
 
 def _cfg(**kw) -> TrainConfig:

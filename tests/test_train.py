@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shardwise import cli
-from shardwise.train import distributed
 from shardwise.train.data import BatchSampler, decode, encode, load_corpus
 from shardwise.train.loop import TrainConfig, train
 from shardwise.train.model import GPT, GPTConfig, count_params
@@ -103,19 +101,6 @@ def test_encode_decode_roundtrip():
 
 
 # ---------------------------------------------------------------- loop (one in-process gloo rank)
-
-
-@pytest.fixture
-def single_rank():
-    if dist.is_initialized():
-        pytest.fail("a default process group is already initialised by an earlier test")
-    threads = torch.get_num_threads()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield distributed.setup("cpu", num_threads=1)
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
