@@ -3,13 +3,14 @@
 - **CUDA**: ``torch.cuda.memory_allocated`` (bytes of live tensors on the device).
 - **CPU with glibc**: ``mallinfo2()``, the bytes the C allocator has handed out and not
   taken back (``uordblks + hblkhd``): live tensors plus the interpreter's own small
-  objects. It falls the moment a tensor is freed, unlike the resident set size, and a
-  call costs well under a microsecond.
+  objects. It falls the moment a tensor is freed, unlike the resident set size; a call
+  walks every malloc arena (microseconds alone, tens of µs beside gloo's threads).
 - **elsewhere**: the resident set size from ``/proc/self/statm`` (or 0 where there is none);
   the label says so.
 
-Samples are taken at lifecycle events only, so the peak is the largest *sampled* value:
-a transient inside one module's compute can go higher between two events.
+Samples are taken at lifecycle events only (thinned to every k-th event when sampling
+would cost more than 1% of a step: ``recorder.MEMORY_BUDGET``), so the peak is the largest
+*sampled* value: a transient inside one module's compute can go higher between two samples.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class StepInput:
     start_ns: int
     end_ns: int
     comms: list[CommSpan]  # issued in this step, or waited in it
-    memory: MemoryColumns  # sample i at event i (kinds[i], fqns[i]); one more at the step's end
+    memory: MemoryColumns  # sample i at event i (kinds[i], fqns[i]), bytes -1 where not sampled; one more at the end
     kinds: list[str]
     fqns: list[str]
     wire_bytes: dict[str, int]
