@@ -9,7 +9,7 @@
   the label says so.
 
 Samples are taken at lifecycle events only (thinned to every k-th event when sampling
-would cost more than 1% of a step: ``recorder.MEMORY_BUDGET``), so the peak is the largest
+would cost more than 0.3% of a step: ``recorder.MEMORY_BUDGET``), so the peak is the largest
 *sampled* value: a transient inside one module's compute can go higher between two samples.
 """
 

@@ -33,7 +33,7 @@ __all__ = ["RawStep", "StepRecorder"]
 
 _NS_PER_MS = 1e6
 
-MEMORY_BUDGET = 0.01
+MEMORY_BUDGET = 0.003
 """At most this fraction of a step goes to memory samples. ``mallinfo2`` walks every malloc
 arena (one per thread that allocated: gloo's threads add theirs), tens of µs per call in a
 training process; GPT-small at 2 ranks spent ~5% of its training thread's CPU sampling at
