@@ -11,6 +11,9 @@ precision:
 - ``kind="torch_replicate"``: the same ``shardwise.replicate`` vs the API it reimplements,
   torch's ``replicate`` (``torch.distributed._composable.replicate_with_fsdp``), applied
   the same way, per block and root; fp32 only.
+- ``kind="report"``: ``shardwise.fully_shard`` with the step report recording
+  (``shardwise.report``'s recorder active during its steps) vs the same without: the
+  report's overhead (``--report-overhead``).
 
 The full grid is model x world size x reshard x dtype for fsdp, plus model x world size
 x peer (DDP, torch's replicate) for replicate; ``--quick`` is the small corner of it that
@@ -24,9 +27,9 @@ from typing import Iterable
 
 from shardwise.train.model import PRESETS
 
-__all__ = ["KINDS", "REPLICATE_PEERS", "REPLICATE_KINDS", "DTYPES", "Case", "Settings", "fsdp_cases", "replicate_cases"]
+__all__ = ["KINDS", "REPLICATE_PEERS", "REPLICATE_KINDS", "DTYPES", "Case", "Settings", "fsdp_cases", "replicate_cases", "report_cases"]
 
-KINDS = ("fsdp", "replicate", "torch_replicate")
+KINDS = ("fsdp", "replicate", "torch_replicate", "report")
 REPLICATE_PEERS = {"ddp": "replicate", "torch": "torch_replicate"}
 """``--replicate-peers`` value -> the case kind comparing shardwise.replicate with that peer."""
 REPLICATE_KINDS = tuple(REPLICATE_PEERS.values())
@@ -59,8 +62,8 @@ class Case:
             raise ValueError(f"Case.world_size must be >= 2, got {self.world_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"Case.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kind == "fsdp" and not isinstance(self.reshard, bool):
-            raise ValueError(f"an fsdp Case needs reshard=True/False, got {self.reshard!r}")
+        if self.kind in ("fsdp", "report") and not isinstance(self.reshard, bool):
+            raise ValueError(f"an {self.kind} Case needs reshard=True/False, got {self.reshard!r}")
         if self.kind in REPLICATE_KINDS and (self.reshard is not None or self.dtype != "fp32"):
             raise ValueError(f"a {self.kind} Case is fp32 with reshard=None, got dtype={self.dtype}, reshard={self.reshard}")
 
@@ -72,7 +75,8 @@ class Case:
             return f"{self.model} ws{self.world_size} replicate"
         if self.kind == "torch_replicate":
             return f"{self.model} ws{self.world_size} vs torch replicate"
-        return f"{self.model} ws{self.world_size} rs={'T' if self.reshard else 'F'} {self.dtype}"
+        label = f"{self.model} ws{self.world_size} rs={'T' if self.reshard else 'F'} {self.dtype}"
+        return f"{label} report" if self.kind == "report" else label
 
 
 OPTIMIZERS = ("foreach", "loop")
@@ -121,3 +125,8 @@ def fsdp_cases(models: Iterable[str], world_sizes: Iterable[int], reshards: Iter
 def replicate_cases(models: Iterable[str], world_sizes: Iterable[int], peers: Iterable[str] = ("ddp",)) -> list[Case]:
     """replicate vs each peer (``ddp``, ``torch``: :data:`REPLICATE_PEERS`) for each model and world size (fp32)."""
     return [Case(REPLICATE_PEERS[peer], m, ws) for ws in world_sizes for m in models for peer in peers]
+
+
+def report_cases(models: Iterable[str], world_sizes: Iterable[int], reshards: Iterable[bool]) -> list[Case]:
+    """fully_shard with the step report recording vs without, fp32 (``--report-overhead``)."""
+    return [Case("report", m, ws, rs) for ws in world_sizes for m in models for rs in reshards]

@@ -9,6 +9,7 @@ step times included, to ``bench/results/<timestamp>.json``::
     python -m bench --models small --world-sizes 4 --dtypes bf16 --reshard true --steps 5
     python -m bench --quick --profile                       # + top costs of one cProfile'd step
     python -m bench --show bench/results/20260101-120000.json  # reprint an earlier run's table
+    python -m bench --report-overhead --steps 20            # the step report's cost on GPT-small
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.cases import DTYPES, OPTIMIZERS, REPLICATE_PEERS, Case, Settings, fsdp_cases, replicate_cases
+from bench.cases import DTYPES, OPTIMIZERS, REPLICATE_PEERS, Case, Settings, fsdp_cases, replicate_cases, report_cases
 from bench.launch import launch
 from bench.report import format_profiles, format_table, summarise_case, write_json
 from shardwise.train.model import PRESETS
@@ -89,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="foreach",
         help="AdamW implementation for every contender (default foreach, as on GPUs; loop: CPU's default)",
     )
+    p.add_argument(
+        "--report-overhead",
+        action="store_true",
+        help="instead of the grid: fully_shard with the step report recording vs without (--models, default small; fp32)",
+    )
     p.add_argument("--show", type=Path, metavar="JSON", help="print the table (and profiles) of an earlier run and exit")
     return p
 
@@ -102,6 +108,11 @@ def plan(args: argparse.Namespace) -> tuple[list[Case], Settings]:
         return value if value is not None else defaults.get(name)
 
     models, world_sizes = pick("models"), pick("world_sizes")
+    if args.report_overhead:
+        models = args.models or ["small"]
+        cases = report_cases(models, world_sizes, args.reshard)
+        return cases, Settings(warmup=pick("warmup"), steps=pick("steps"), batch_size=args.batch_size, seed=args.seed,
+                               profile=args.profile, optimizer=args.optimizer)  # fmt: skip
     replicate_models = pick("replicate_models") or models
     cases = [] if "none" in models else fsdp_cases(models, world_sizes, args.reshard, pick("dtypes"))
     if "none" not in replicate_models:
@@ -125,9 +136,10 @@ def _run_cases(cases: list[Case], settings: Settings, save: Callable[[list[dict[
         save(results)
         sw, th = (res["impls"][r]["step_s"]["median"] for r in ("shardwise", "torch"))
         co = res["compute_only"]["step_s"]["median"]
+        cpu_sw, cpu_th = (res["impls"][r]["thread_cpu_s"]["median"] for r in ("shardwise", "torch"))
         _progress(
             f"[{len(results)}/{len(cases)}] {case.label}: shardwise {sw * 1e3:.1f} ms, torch {th * 1e3:.1f} ms, "
-            f"ratio {res['ratio']:.3f} (compute-only {co * 1e3:.1f} ms)"
+            f"ratio {res['ratio']:.3f} (compute-only {co * 1e3:.1f} ms); training-thread CPU ratio {cpu_sw / cpu_th:.3f}"
         )
 
     for ws in dict.fromkeys(c.world_size for c in cases):

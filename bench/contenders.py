@@ -10,10 +10,13 @@ are identical and only the wrapper differs::
                 vs DistributedDataParallel(model)                # torch's bucketed all-reduce
     torch_replicate: the same shardwise.replicate vs torch's replicate (replicate_with_fsdp),
                 applied per block and root in the same way       # the API shardwise reimplements
+    report:     shardwise fully_shard with the step report's recorder active from the root's
+                forward to the end of optimizer.step(), vs the same model without  # the overhead
 """
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -78,6 +81,37 @@ def _torch_fsdp(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Cont
     return Contender("torch.fully_shard", model, make_optimizer(model, optimizer))
 
 
+def _shardwise_fsdp_reported(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Contender:
+    """shardwise's fully_shard, recording a step report during each of its steps (and only then).
+
+    The recorder is what ``shardwise.report`` activates; it becomes active at the root's
+    forward pre-hook and closes the step (``end_step``, the per-step summary) after
+    ``optimizer.step()``, so the other contender's interleaved steps are not recorded.
+    Writing the files at the end of a run is a one-time cost and is not measured.
+    """
+    from shardwise import tracing
+    from shardwise.step_report.memory import sampler_for
+    from shardwise.step_report.recorder import StepRecorder
+
+    c = _shardwise_fsdp(case, mesh, seed, optimizer)
+    recorder = StepRecorder(sampler_for(torch.device("cpu")), time.monotonic_ns())
+    active = []
+
+    def start(module, args):
+        if not active:
+            active.append(tracing.recording(recorder))
+            active[0].__enter__()
+
+    def finish(opt, args, kwargs):
+        if active:
+            recorder.end_step()
+            active.pop().__exit__(None, None, None)
+
+    c.model.register_forward_pre_hook(start)
+    c.optimizer.register_step_post_hook(finish)
+    return Contender("shardwise.fully_shard+report", c.model, c.optimizer)
+
+
 def _replicate_with(replicate, case: Case, mesh: DeviceMesh, seed: int) -> nn.Module:
     model = build_plain(case.model, seed)
     for block in model.layers:
@@ -108,8 +142,11 @@ def _torch_ddp(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Conte
 
 
 def build_pair(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> tuple[Contender, Contender]:
-    """``(shardwise, torch)`` for ``case`` on the 1-D CPU ``mesh``, from identical weights."""
+    """``(shardwise, torch)`` for ``case`` on the 1-D CPU ``mesh``, from identical weights
+    (for ``report``: ``(shardwise with the report recording, shardwise without)``)."""
     if case.kind == "fsdp":
         return _shardwise_fsdp(case, mesh, seed, optimizer), _torch_fsdp(case, mesh, seed, optimizer)
+    if case.kind == "report":
+        return _shardwise_fsdp_reported(case, mesh, seed, optimizer), _shardwise_fsdp(case, mesh, seed, optimizer)
     peer = _torch_replicate if case.kind == "torch_replicate" else _torch_ddp
     return _shardwise_replicate(case, mesh, seed, optimizer), peer(case, mesh, seed, optimizer)

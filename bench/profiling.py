@@ -24,6 +24,7 @@ _NOT_LIBRARY = (os.path.join("shardwise", "train", ""), os.path.join("shardwise"
 
 PACKAGE_OF = {
     "shardwise.fully_shard": f"shardwise{os.sep}",
+    "shardwise.fully_shard+report": f"shardwise{os.sep}",
     "shardwise.replicate": f"shardwise{os.sep}",
     "torch.fully_shard": os.path.join("torch", "distributed", "fsdp", ""),
     "torch.DDP": os.path.join("torch", "nn", "parallel", ""),

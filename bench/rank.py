@@ -52,6 +52,7 @@ class ImplMeasurement:
 
     name: str  # contender name, e.g. "torch.fully_shard"
     step_s: list[float] = dataclasses.field(default_factory=list)  # each timed step
+    thread_cpu_s: list[float] = dataclasses.field(default_factory=list)  # training thread's CPU time of each timed step
     socket_bytes: list[int] = dataclasses.field(default_factory=list)  # wchar delta of each timed step
     losses: list[float] = dataclasses.field(default_factory=list)  # warmup, timed, counted, memory steps
     comm: CountedComm | None = None  # collectives of the counted step (not for the baseline)
@@ -113,13 +114,14 @@ def _step(arm: _Arm, batch: Batch, timed: bool) -> None:
     """One training step; when ``timed``, record its seconds and its ``wchar`` delta."""
     c, rec = arm
     wchar0 = read_wchar()
-    start = time.perf_counter()
+    cpu0, start = time.thread_time(), time.perf_counter()
     loss = train_step(c.model, c.optimizer, batch)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu0
     wchar1 = read_wchar()
     rec.losses.append(loss.item())
     if timed:
         rec.step_s.append(elapsed)
+        rec.thread_cpu_s.append(cpu)
         if wchar0 is not None and wchar1 is not None:
             rec.socket_bytes.append(wchar1 - wchar0)
 

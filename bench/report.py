@@ -95,6 +95,7 @@ def _summarise_impl(ranks: list[ImplMeasurement], tokens: int, compute_s: float,
         "name": ranks[0].name,
         "step_s": step._asdict(),
         "per_rank_median_s": [spread(r.step_s).median for r in ranks],
+        "thread_cpu_s": worst_rank([r.thread_cpu_s for r in ranks])._asdict(),  # CPU time of the training thread
         "tokens_per_s": tokens / step.median,
         "x_compute": step.median / compute_s,
         "wire_bytes": wire,

@@ -87,7 +87,7 @@ def theoretical_min(kind: str, n_params: int, world_size: int, reshard: bool | N
     ring = (world_size - 1) / world_size
     if kind in REPLICATE_KINDS:
         return TheoryMin(0.0, 2 * n_params * reduce_bytes * ring)
-    if kind != "fsdp":
+    if kind not in ("fsdp", "report"):
         raise ValueError(f"kind must be 'fsdp', 'replicate' or 'torch_replicate', got {kind!r}")
     gathers = 2 if reshard else 1
     return TheoryMin(gathers * n_params * param_bytes * ring, n_params * reduce_bytes * ring)

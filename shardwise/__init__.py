@@ -19,6 +19,7 @@ from shardwise.fully_shard import fully_shard
 from shardwise.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from shardwise.replicate import ReplicateModule, replicate
 from shardwise.policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from shardwise.step_report import report
 from shardwise.switch import install_as_torch_fsdp, uninstall_as_torch_fsdp
 from shardwise.tracing import trace
 from shardwise.planning import Plan, auto_shard, plan
@@ -36,6 +37,7 @@ __all__ = [
     "replicate",
     "ReplicateModule",
     "trace",
+    "report",
     "clip_grad_norm_",
     "install_as_torch_fsdp",
     "uninstall_as_torch_fsdp",

@@ -53,6 +53,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="constant, or cosine: linear warm-up then decay to 10%% at --steps (default %(default)s)")
     add("--warmup-steps", type=int, default=d.warmup_steps, help="warm-up steps of the cosine schedule")
     add("--metrics", metavar="PATH", help="append one JSON line per step (step, loss, tokens_per_s, ...) to PATH")
+    add("--reshard-after-forward", choices=("true", "false"), default=str(d.reshard_after_forward).lower(),
+        help="free each block's gathered parameters after forward (default %(default)s)")
+    add("--report", metavar="DIR", help="write a step report (time, exposed communication, memory, plots) into DIR")
     _add_checkpoint_args(p, d)
     add("--auto", action="store_true",
         help="shard as shardwise.plan says and report predicted vs measured peak memory")
@@ -75,7 +78,7 @@ def _add_checkpoint_args(p: argparse.ArgumentParser, d) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``shardwise <command> [options]``; the only command so far is ``train``."""
+    """``shardwise <command> [options]``: ``train``, ``plan``, ``report``."""
     parser = argparse.ArgumentParser(prog="shardwise", description="Fully-sharded data parallel training.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
@@ -91,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bytes on the wire. Exit code 1 when the plan does not fit --memory.",
     )
     add_plan_args(plan)
+    rep = commands.add_parser("report", help="print a step report's summary and top causes of exposed communication")
+    rep.add_argument("dir", metavar="DIR", help="a directory written by `shardwise train --report DIR` or shardwise.report(DIR)")
     return parser
 
 
@@ -103,7 +108,8 @@ def _train_config(args: argparse.Namespace):
         data=args.data, data_bytes=args.data_bytes, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
         metrics=args.metrics, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_last=args.keep_last, resume=args.resume, async_checkpoint=args.async_checkpoint,
-        stop_after=args.stop_after, auto=args.auto,
+        stop_after=args.stop_after, auto=args.auto, reshard_after_forward=args.reshard_after_forward == "true",
+        report=args.report,
     )
 
 
@@ -147,6 +153,16 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
         return 130
 
 
+def _print_report(directory: str) -> int:
+    from shardwise.step_report.cli import print_report
+
+    try:
+        print_report(directory)
+    except FileNotFoundError as e:
+        raise SystemExit(f"shardwise report: {e}") from None
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``shardwise`` and ``python -m shardwise``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -155,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         from shardwise.planning.cli import run_plan
 
         return run_plan(args)
+    if args.command == "report":
+        return _print_report(args.dir)
     try:
         cfg = _train_config(args)
     except ValueError as e:

@@ -171,6 +171,10 @@ class _SumOnWait:
     def __init__(self, work, output: torch.Tensor, addends: list[torch.Tensor]):
         self._work, self._output, self._addends = work, output, addends
 
+    def is_completed(self) -> bool:
+        """Whether the chunks have arrived (the sum happens in wait)."""
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> bool:
         if self._work is not None:
             self._work.wait()

@@ -272,7 +272,9 @@ class ParamGroup:
             self._pending_gather = _PendingGather(None, gather_input, 1)
         else:
             gathered = self._gather_output(n)
+            start = tracing.comm_clock()
             work = self.all_gather_comm(gathered, gather_input, group, async_op=True)
+            tracing.comm_issued("all_gather", self.fqn, self.training_state.value, start, work)
             self._pending_gather = _PendingGather(work, gathered, n, self._gather_scratch(gathered, gather_input))
         if not async_op:
             self.wait_for_unshard()
@@ -318,7 +320,7 @@ class ParamGroup:
             return
         self._pending_gather = None
         if pending.work is not None:
-            pending.work.wait()
+            tracing.wait(pending.work, "all_gather", self.fqn, self.training_state.value)
         if pending.gathered is not self._segments[0]:
             self._allocate_unsharded_storage()
             n = pending.num_shards

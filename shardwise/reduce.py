@@ -181,7 +181,9 @@ class GradReducer:
         comm = self.reduce_scatter_comm
         reduced = comm.allocate((packed.size(1),), dtype=dtype, device=packed.device)
         pg = self.reduce_scatter_group or mesh_info.shard_group
+        start = tracing.comm_clock()
         work = comm(reduced, packed.view(-1), pg, dist.ReduceOp.SUM, async_op=True)
+        tracing.comm_issued("reduce_scatter", group.fqn, group.training_state.value, start, work)
         receive_buffer = isinstance(comm, collectives.DefaultReduceScatter) and collectives.all_to_all_receive_buffer(pg)
         self._pending = _PendingReduce(work, reduced, params, plan.post_divide, packed, receive_buffer=receive_buffer)
 
@@ -192,7 +194,9 @@ class GradReducer:
         mesh_info = self.group.mesh_info
         if mesh_info.replicate_size == 1 or not self.requires_all_reduce or self._partial is not None:
             return _PendingReduce(None, flat, params, post_divide, packed)
+        start = tracing.comm_clock()
         work = collectives.all_reduce(flat, mesh_info.replicate_group, async_op=True)
+        tracing.comm_issued("all_reduce", self.group.fqn, self.group.training_state.value, start, work)
         return _PendingReduce(work, flat, params, post_divide, packed, all_reduced=True)
 
     # ---- finishing --------------------------------------------------------------------
@@ -203,9 +207,11 @@ class GradReducer:
         if pending is None:
             return
         self._pending = None
+        group = self.group
         if pending.work is not None:
-            pending.work.wait()
-        if self.group.mesh_info.shard_size > 1:  # else the packed buffer is the gradient itself
+            kind = "all_reduce" if pending.all_reduced else "reduce_scatter"
+            tracing.wait(pending.work, kind, group.fqn, group.training_state.value)
+        if group.mesh_info.shard_size > 1:  # else the packed buffer is the gradient itself
             collectives.free_storage(pending.packed)
         pending = self._all_reduce_or_defer(pending)
         if pending is None:
@@ -220,7 +226,6 @@ class GradReducer:
             shard = p.shard_view(reduced[offset : offset + p.padded_numel])  # our real rows
             offset += p.padded_numel
             _accumulate_sharded_grad(p, shard)
-        group = self.group
         tracing.emit("reduce_done", group.fqn, group.training_state.value)
 
     def _all_reduce_or_defer(self, pending: _PendingReduce) -> _PendingReduce | None:
@@ -239,7 +244,9 @@ class GradReducer:
         if not self.requires_all_reduce:
             self._partial = pending
             return None
+        start, fqn, state = tracing.comm_clock(), self.group.fqn, self.group.training_state.value
         collectives.all_reduce(pending.reduced, mesh_info.replicate_group, async_op=False)
+        tracing.comm_issued("all_reduce", fqn, state, start, None)  # synchronous: blocked throughout
         return pending
 
     def discard(self) -> None:

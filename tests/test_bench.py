@@ -116,6 +116,8 @@ def test_quick_plan_is_the_documented_grid():
     assert [c.label for c in cases] == ["small ws4 rs=F fp32", "small ws4 rs=F bf16"]
     cases, _ = plan(build_parser().parse_args(["--models", "none", "--replicate-models", "tiny", "--replicate-peers", "torch"]))
     assert [(c.kind, c.label) for c in cases] == [("torch_replicate", "tiny ws2 vs torch replicate"), ("torch_replicate", "tiny ws4 vs torch replicate")]
+    cases, _ = plan(build_parser().parse_args(["--report-overhead", "--world-sizes", "2", "--reshard", "true"]))
+    assert [(c.kind, c.label) for c in cases] == [("report", "small ws2 rs=T fp32 report")]
 
 
 
@@ -138,7 +140,7 @@ _SPREAD_KEYS = {"median", "p10", "p90"}
 _IMPL_KEYS = {
     "name", "step_s", "per_rank_median_s", "tokens_per_s", "x_compute", "wire_bytes", "wire_over_min", "comm_counts",
     "payload_bytes_by_kind", "wire_bytes_by_kind", "self_reported_wire_bytes", "socket_bytes", "peak_bytes",
-    "start_bytes", "losses_rank0", "step_s_per_rank", "profile_rank0",
+    "start_bytes", "losses_rank0", "step_s_per_rank", "profile_rank0", "thread_cpu_s",
 }  # fmt: skip
 _RESULT_KEYS = {
     "case", "n_params", "seq_len", "tokens_per_step", "theory_min_bytes", "compute_only", "ratio", "above_compute",

@@ -20,7 +20,7 @@ from shardwise import cli
 from shardwise.train.data import BatchSampler, decode, encode, load_corpus
 from shardwise.train.loop import TrainConfig, train
 from shardwise.train.model import GPT, GPTConfig, count_params
-from shardwise.train.report import ProgressBar, format_bytes
+from shardwise.train.summary import ProgressBar, format_bytes
 from shardwise.train.sharding import IMPLS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

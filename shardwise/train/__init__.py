@@ -11,7 +11,8 @@ One module per concept:
 - :mod:`~shardwise.train.metrics` — ``--metrics``: one JSON line per step, crash-safe.
 - :mod:`~shardwise.train.checkpointing` — the checkpoint flags, wired to :mod:`shardwise.checkpoint`.
 - :mod:`~shardwise.train.loop` — the step and the run every rank executes.
-- :mod:`~shardwise.train.report` — progress bar and summary on rank 0.
+- :mod:`~shardwise.train.config` — :class:`TrainConfig` and :class:`TrainResult`, shared by the loop and the summary.
+- :mod:`~shardwise.train.summary` — progress bar and summary on rank 0.
 
 Launch::
 

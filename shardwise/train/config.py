@@ -1,6 +1,6 @@
 """What a ``shardwise train`` run is asked to do (:class:`TrainConfig`) and what it measured (:class:`TrainResult`).
 
-Both live below :mod:`~shardwise.train.loop` and :mod:`~shardwise.train.report`, which
+Both live below :mod:`~shardwise.train.loop` and :mod:`~shardwise.train.summary`, which
 each import them, so neither needs the other (the report draws what the loop returns).
 """
 
@@ -54,6 +54,10 @@ class TrainConfig:
     """Steps of linear learning-rate warm-up (``cosine`` schedule only)."""
     metrics: str | None = None
     """Append one JSON line per optimizer step to this file (rank 0 writes it; see :mod:`~shardwise.train.metrics`)."""
+    reshard_after_forward: bool = True
+    """``fully_shard``'s ``reshard_after_forward`` for every block (the root keeps torch's default)."""
+    report: str | None = None
+    """Write a step report (timing, overlap, memory, plots) into this directory; see :func:`shardwise.report`."""
     checkpoint_dir: str | None = None
     """Directory of checkpoints (DCP format, see :mod:`shardwise.checkpoint`); ``None`` saves none."""
     checkpoint_every: int = 0

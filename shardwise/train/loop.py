@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.train import report
+from shardwise.train import summary
 from shardwise.train.checkpointing import RunCheckpoints
 from shardwise.train.config import TrainConfig, TrainResult
 from shardwise.train.data import BatchSampler, load_corpus
@@ -42,6 +42,7 @@ from shardwise.train.metrics import MetricsLog
 from shardwise.train.model import GPT, count_params
 from shardwise.train.schedule import build_scheduler
 from shardwise.train.sharding import shard_model
+from shardwise.train.summary import step_report
 
 __all__ = [
     "TrainConfig", "TrainResult", "build_model", "build_optimizer", "train_step", "mean_across_ranks", "train", "run",
@@ -59,7 +60,7 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> GPT:
     model = GPT(cfg.model_config()).to(env.device)
     if cfg.auto:
         return auto_shard_model(model, cfg, env)
-    return shard_model(model, env.mesh, cfg.impl, cfg.mixed_precision)
+    return shard_model(model, env.mesh, cfg.impl, cfg.mixed_precision, cfg.reshard_after_forward)
 
 
 def auto_shard_model(model: GPT, cfg: TrainConfig, env: DistEnv) -> GPT:
@@ -131,24 +132,28 @@ def _run_steps(
     losses: list[float] = []
     _sync(env.device)
     start = last = time.perf_counter()
-    for step in range(start_step + 1, job.checkpoints.last_step + 1):
-        x, y = job.sampler.next_batch(env.device)
-        lr = job.optimizer.param_groups[0]["lr"]
-        if cfg.auto and step == job.checkpoints.last_step:  # --auto: measure the last step against the plan
-            losses.append(_measured_step(job.model, job.optimizer, x, y).item())
-        else:
-            losses.append(train_step(job.model, job.optimizer, x, y).item())
-        job.scheduler.step()
-        held_s = job.checkpoints.after_step(step)
-        now = time.perf_counter()
-        step_s, last = now - last, now
-        job.metrics.log(step, losses[-1], tokens_per_s=tokens_per_step / step_s, step_s=step_s, lr=lr,
-                        checkpoint_s=held_s)
-        if on_step is not None:
-            on_step(step, losses[-1], len(losses) * tokens_per_step / (now - start))
-    job.checkpoints.close()
-    _sync(env.device)
-    return losses, time.perf_counter() - start
+    with step_report(cfg, env) as rep:
+        for step in range(start_step + 1, job.checkpoints.last_step + 1):
+            x, y = job.sampler.next_batch(env.device)
+            lr = job.optimizer.param_groups[0]["lr"]
+            if cfg.auto and step == job.checkpoints.last_step:  # --auto: measure the last step against the plan
+                losses.append(_measured_step(job.model, job.optimizer, x, y).item())
+            else:
+                losses.append(train_step(job.model, job.optimizer, x, y).item())
+            job.scheduler.step()
+            held_s = job.checkpoints.after_step(step)
+            if rep is not None:
+                rep.step(losses[-1])
+            now = time.perf_counter()
+            step_s, last = now - last, now
+            job.metrics.log(step, losses[-1], tokens_per_s=tokens_per_step / step_s, step_s=step_s, lr=lr,
+                            checkpoint_s=held_s)
+            if on_step is not None:
+                on_step(step, losses[-1], len(losses) * tokens_per_step / (now - start))
+        job.checkpoints.close()
+        _sync(env.device)
+        wall_s = time.perf_counter() - start
+    return losses, wall_s
 
 
 def _measured_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -223,11 +228,11 @@ def _train_and_report(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     """:func:`train`, with rank 0 printing the header, the progress bar and the summary."""
     if not env.is_main:
         return train(cfg, env)
-    report.print_header(cfg, env.world_size, str(env.device), count_params(cfg.model_config()))
-    bar = report.ProgressBar(cfg.steps)
+    summary.print_header(cfg, env.world_size, str(env.device), count_params(cfg.model_config()))
+    bar = summary.ProgressBar(cfg.steps)
     result = train(cfg, env, on_step=bar.update)
     bar.close()
-    report.print_summary(result)
+    summary.print_summary(result)
     return result
 
 

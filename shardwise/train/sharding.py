@@ -61,7 +61,9 @@ def _mp_policy(api: FSDPApi, mixed_precision: str) -> Any:
     raise ValueError(f"unknown mixed precision {mixed_precision!r}; expected one of {MIXED_PRECISION}")
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, impl: str, mixed_precision: str = "none") -> nn.Module:
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, impl: str, mixed_precision: str = "none", reshard_after_forward: bool = True
+) -> nn.Module:
     """Shard every block of ``model.layers``, then ``model`` itself; returns ``model``.
 
     Args:
@@ -69,11 +71,13 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, impl: str, mixed_precision: 
         mesh: the 1-D data-parallel mesh to shard over.
         impl: ``"shardwise"`` (the only implementation the library ships).
         mixed_precision: ``"none"`` or ``"bf16"`` (bf16 parameters and compute, fp32 gradient reduction).
+        reshard_after_forward: passed to every block's ``fully_shard``; the root keeps the default
+            (its parameters stay gathered after forward, as backward needs them first).
     """
     api = load_fsdp_api(impl)
     mp = _mp_policy(api, mixed_precision)
     for block in model.layers:
-        api.fully_shard(block, mesh=mesh, mp_policy=mp)
+        api.fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     api.fully_shard(model, mesh=mesh, mp_policy=mp)
     n_blocks = len(model.layers)
     logger.info("sharded %d blocks + root with %s fully_shard (mixed precision %s)", n_blocks, impl, mixed_precision)

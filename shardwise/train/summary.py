@@ -13,16 +13,20 @@ stay readable. The summary ends with one line meant to be grepped::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Iterator, TextIO
 
+from shardwise.step_report import Report, report
+from shardwise.step_report.text import format_summary
 from shardwise.train.config import TrainConfig, TrainResult
+from shardwise.train.distributed import DistEnv
 
 if TYPE_CHECKING:
     from shardwise.comm_stats import CommStats
 
-__all__ = ["ProgressBar", "format_bytes", "print_header", "summary_lines", "final_line", "print_summary"]
+__all__ = ["ProgressBar", "format_bytes", "print_header", "summary_lines", "final_line", "print_summary", "step_report"]
 
 
 def format_bytes(n: float) -> str:
@@ -129,3 +133,20 @@ def summary_lines(result: TrainResult) -> list[str]:
 def print_summary(result: TrainResult) -> None:
     """Print :func:`summary_lines` to stdout."""
     print("\n".join(summary_lines(result)), flush=True)
+
+
+@contextlib.contextmanager
+def step_report(cfg: TrainConfig, env: DistEnv) -> Iterator[Report | None]:
+    """``shardwise.report(cfg.report)`` around the step loop (``None`` when no report was asked
+    for); rank 0 prints the report's summary and where the files are once it is written."""
+    if cfg.report is None:
+        yield None
+        return
+    m = cfg.model_config()
+    meta = {"model": f"{cfg.model} GPT ({m.n_layers} blocks, dim {m.dim})", "reshard_after_forward": cfg.reshard_after_forward,
+            "mixed_precision": cfg.mixed_precision, "batch": f"{cfg.batch_size} x {m.seq_len} tokens/rank"}  # fmt: skip
+    with report(cfg.report, meta=meta, device=env.device) as r:
+        yield r
+    if r.summary is not None:
+        print(f"\nstep report: {cfg.report}/index.html (shardwise report {cfg.report})", flush=True)
+        print(format_summary(r.summary), flush=True)
