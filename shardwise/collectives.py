@@ -171,9 +171,13 @@ class _SumOnWait:
     def __init__(self, work, output: torch.Tensor, addends: list[torch.Tensor]):
         self._work, self._output, self._addends = work, output, addends
 
-    def wait(self) -> bool:
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def wait(self, timeout=None) -> bool:
+        """Wait (at most ``timeout``, a timedelta: c10d raises on expiry), then sum."""
         if self._work is not None:
-            self._work.wait()
+            self._work.wait() if timeout is None else self._work.wait(timeout)
             for addend in self._addends:  # (Pg,) each; 2 ranks: our own row, else the received ones
                 self._output.add_(addend)
             if len(self._addends) > 1:  # the (N-1, Pg) receive buffer

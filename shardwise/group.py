@@ -25,6 +25,7 @@ import enum
 import torch
 
 from shardwise import collectives, tracing
+from shardwise.faults import monitor
 from shardwise.layout import FlatLayout
 from shardwise.mesh import MeshInfo, PostForwardGroup
 from shardwise.param import ShardedParam, ShardedState
@@ -272,7 +273,10 @@ class ParamGroup:
             self._pending_gather = _PendingGather(None, gather_input, 1)
         else:
             gathered = self._gather_output(n)
-            work = self.all_gather_comm(gathered, gather_input, group, async_op=True)
+            work = monitor.issue(
+                "all-gather", self.fqn, group, gather_input,
+                lambda: self.all_gather_comm(gathered, gather_input, group, async_op=True),
+            )
             self._pending_gather = _PendingGather(work, gathered, n, self._gather_scratch(gathered, gather_input))
         if not async_op:
             self.wait_for_unshard()
