@@ -7,7 +7,7 @@ blocked on (set and cleared by the watchdog and the order check: two attribute w
 per wait, no store traffic on the hot path). The thread keeps beating while the main
 thread computes (a healthy slow rank stays fresh) and stops when the process stops or
 dies (SIGSTOP, a crash, a lost link): its status goes stale, and that is how a peer
-knows. One beacon per (store, rank): ranks can be threads of one process.
+knows. One beacon per rank (ranks can be threads of one process), on the current store.
 """
 
 from __future__ import annotations
@@ -96,17 +96,17 @@ def _beat(ref: "weakref.ref[Beacon]", stop: threading.Event, interval: float) ->
         del beacon
 
 
-_BEACONS: dict[tuple[int, int], Beacon] = {}  # (id(store), rank) -> beacon
+_BEACONS: dict[int, Beacon] = {}  # global rank -> its beacon (ranks may be threads of one process)
 
 
 def beacon_for(interval: float) -> Beacon:
-    """This rank's beacon on the default store (started on first use)."""
+    """This rank's beacon on the default store (started on first use; restarted, the old
+    thread stopped, when the store or the interval changed)."""
     store = dist.distributed_c10d._get_default_store()
     rank = dist.get_rank()
-    key = (id(store), rank)
-    beacon = _BEACONS.get(key)
+    beacon = _BEACONS.get(rank)
     if beacon is None or beacon.store is not store or beacon.interval != interval:
         if beacon is not None:
             beacon.stop()
-        beacon = _BEACONS[key] = Beacon(store, rank, interval)
+        beacon = _BEACONS[rank] = Beacon(store, rank, interval)
     return beacon

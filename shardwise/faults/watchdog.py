@@ -3,7 +3,8 @@
 Waiting on a shardwise collective goes through :class:`WatchedWork`::
 
     completed already?            -> wait() (the common case: one is_completed() call)
-    wait(deadline)                -> done, or "Operation timed out!" (the work stays valid)
+    wait() on the waiter thread,  -> done
+      this thread waits on its event with the deadline
     deadline passed               -> read every peer's status from the store (diagnose):
         a peer has not reported for the deadline      -> dead or stopped: raise
         a peer waits on another collective of this     -> the ranks diverged: raise
@@ -28,7 +29,8 @@ which runs before issuing, works on every backend).
 
 from __future__ import annotations
 
-import datetime
+import queue
+import threading
 import time
 
 from shardwise.faults.errors import CollectiveFailedError, CollectiveTimeoutError
@@ -64,23 +66,68 @@ class WatchedWork:
 
 
 def _watch(work, ledger: Ledger, position: Position, deadline: float) -> None:
+    """Wait with the deadline. On success the status is cleared; on an error it keeps
+    saying what we were waiting on (that collective never completes now), so a peer whose
+    deadline comes a little later still sees where this rank stopped.
+
+    The blocking ``work.wait()`` runs on a waiter thread while this thread waits on an event
+    with the deadline: gloo's native reduce-scatter work ignores ``wait(timeout)`` and
+    reports ``is_completed()`` only once waited on, so neither can bound the wait itself."""
     beacon = ledger.beacon
     beacon.block(position)
+    done, failure = _waiter().submit(work)
     try:
         waited, slice_s = 0.0, deadline
-        while True:
-            start = time.monotonic()
-            try:
-                work.wait(datetime.timedelta(seconds=slice_s))
-                return
-            except RuntimeError as err:
-                if work.is_completed():  # finished with an error, not our slice running out
-                    raise _failed(ledger, position, err) from err
-            waited += time.monotonic() - start
-            diagnose(ledger, position, waited, deadline, work.is_completed)
+        while not done.wait(slice_s):
+            waited += slice_s
+            diagnose(ledger, position, waited, deadline, done.is_set)
             slice_s = beacon.interval
-    finally:
-        beacon.unblock()
+        if failure:
+            raise _failed(ledger, position, failure[0]) from failure[0]
+    except BaseException:
+        if not done.is_set():
+            _WAITER.clear()  # that thread stays blocked on the dead collective: the next wait gets a new one
+        _publish_quietly(beacon)
+        raise
+    beacon.unblock()
+
+
+class _Waiter:
+    """A daemon thread that calls ``wait()`` on the works handed to it, one at a time."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="shardwise-waiter", daemon=True).start()
+
+    def submit(self, work) -> tuple[threading.Event, list]:
+        done, failure = threading.Event(), []
+        self._queue.put((work, done, failure))
+        return done, failure
+
+    def _run(self) -> None:
+        while True:
+            work, done, failure = self._queue.get()
+            try:
+                work.wait()
+            except BaseException as err:  # handed back to the waiting thread
+                failure.append(err)
+            done.set()
+
+
+_WAITER: list[_Waiter] = []
+
+
+def _waiter() -> _Waiter:
+    if not _WAITER:
+        _WAITER.append(_Waiter())
+    return _WAITER[0]
+
+
+def _publish_quietly(beacon) -> None:
+    try:
+        beacon.publish()
+    except Exception:  # the store is gone as well: the original error says more
+        pass
 
 
 def _failed(ledger: Ledger, position: Position, err: BaseException) -> CollectiveFailedError:
