@@ -175,9 +175,10 @@ class _SumOnWait:
         """Whether the chunks have arrived (the sum happens in wait)."""
         return self._work is None or self._work.is_completed()
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
+        """Wait (at most ``timeout``, a timedelta: c10d raises on expiry), then sum."""
         if self._work is not None:
-            self._work.wait()
+            self._work.wait() if timeout is None else self._work.wait(timeout)
             for addend in self._addends:  # (Pg,) each; 2 ranks: our own row, else the received ones
                 self._output.add_(addend)
             if len(self._addends) > 1:  # the (N-1, Pg) receive buffer

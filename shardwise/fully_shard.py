@@ -20,6 +20,7 @@ from torch.distributed.tensor import Shard
 
 from shardwise import init_checks
 from shardwise.dynamo_compat import implements_forward
+from shardwise.faults import init_values, optimizer_check
 from shardwise.group import ParamGroup
 from shardwise.mesh import MeshInfo, default_mesh, fully_shard_mesh_info, post_forward_group, spmd_mesh_info
 from shardwise.module import FSDPModule
@@ -93,7 +94,7 @@ def build_state(
     ignored_params: set | None,
 ) -> ModuleState:
     """The pipeline shared by fully_shard and replicate: params → group → state."""
-    params, sites, buffers = _managed_tensors(modules, ignored_params or set())
+    params, sites, buffers = _managed_tensors(modules, _ignored_ids(ignored_params))
     placements = [_placement(shard_placement_fn, p, s, mesh_info) for p, s in zip(params, sites)]
     if placements:
         mesh_info = _one_mesh(placements, sites, mesh_info)
@@ -101,12 +102,18 @@ def build_state(
     _move_buffers(buffers, device)
     group = None
     if params:
+        init_checks.check_not_sharded_already(params, sites)
+        init_values.check_same_init(
+            mesh_info.shard_group or mesh_info.replicate_group, [s[0].fqn for s in sites], params, "shardwise"
+        )
         sharded = [ShardedParam(p, s, mesh_info, dim) for p, s, (dim, _) in zip(params, sites, placements)]
         group = ParamGroup(sharded, params, mesh_info, device, mp_policy, offload_policy)
         if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
             group.post_forward = post_forward_group(mesh_info, reshard_after_forward)
         for p, sp in zip(params, sharded):
             sp.shared_with = init_checks.claim_original_param(p, sp)
+            init_checks.note_sharded(sp)
+        optimizer_check.note_sharding()
     return ModuleState(modules, group, mesh_info, device, mp_policy, reshard_after_forward)
 
 
@@ -116,7 +123,10 @@ def _check_modules(module: object, api: str) -> list[nn.Module]:
         raise ValueError(f"{api} got an empty list of modules")
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise ValueError(f"{api} expects an nn.Module or a list of them, got {type(m).__name__}: {m!r}")
+            raise ValueError(
+                f"{api} expects an nn.Module or a list of them, got {_short_type(m)}; pass the module that "
+                "owns the parameters (e.g. model or model.layers[0])"
+            )
         if not implements_forward(m):
             raise ValueError(
                 f"{api} does not support {type(m).__name__}: it implements no forward() (a container); "
@@ -129,6 +139,15 @@ def _check_modules(module: object, api: str) -> list[nn.Module]:
                 "once per module"
             )
     return modules
+
+
+def _short_type(value: object) -> str:
+    """``Tensor of shape (3, 4)``: what a bad argument is, never its contents (a tensor's repr
+    would print every element into the error)."""
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"{type(value).__name__} of shape {tuple(shape)}"
+    return type(value).__name__
 
 
 def _register_state(module: nn.Module, state: ModuleState, api: str) -> None:
@@ -178,7 +197,23 @@ def _check_reshard_after_forward(value: object, mesh_info: MeshInfo) -> bool | N
     return value
 
 
-def _managed_tensors(modules: list[nn.Module], ignored: set) -> tuple[list, list[list[ParamSite]], list]:
+def _ignored_ids(ignored: object) -> set[int]:
+    """``ignored_params`` as the ids of its tensors (membership by identity: ``p in [...]``
+    would compare tensors elementwise)."""
+    if ignored is None:
+        return set()
+    if not isinstance(ignored, (set, frozenset, list, tuple)):
+        raise TypeError(f"ignored_params must be a set of nn.Parameters, got {_short_type(ignored)}")
+    for item in ignored:
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(
+                f"ignored_params must hold the module's nn.Parameters, got {_short_type(item)}; "
+                "pass e.g. {model.scale}"
+            )
+    return {id(item) for item in ignored}
+
+
+def _managed_tensors(modules: list[nn.Module], ignored: set[int]) -> tuple[list, list[list[ParamSite]], list]:
     """Params (with every site they are registered at) and buffers of the managed modules.
 
     Managed modules: the subtrees of ``modules``, stopping at submodules an earlier
@@ -203,7 +238,7 @@ def _managed_tensors(modules: list[nn.Module], ignored: set) -> tuple[list, list
     buffers = []
     for m in managed:
         for name, p in m._parameters.items():
-            if p is None or p in ignored:
+            if p is None or id(p) in ignored:
                 continue
             if id(p) not in sites:
                 params.append(p)

@@ -25,6 +25,7 @@ import enum
 import torch
 
 from shardwise import collectives, tracing
+from shardwise.faults import monitor
 from shardwise.layout import FlatLayout
 from shardwise.mesh import MeshInfo, PostForwardGroup
 from shardwise.param import ShardedParam, ShardedState
@@ -273,7 +274,10 @@ class ParamGroup:
         else:
             gathered = self._gather_output(n)
             start = tracing.comm_clock()
-            work = self.all_gather_comm(gathered, gather_input, group, async_op=True)
+            work = monitor.issue(
+                "all-gather", self.fqn, group, gather_input,
+                lambda: self.all_gather_comm(gathered, gather_input, group, async_op=True),
+            )
             tracing.comm_issued("all_gather", self.fqn, self.training_state.value, start, work)
             self._pending_gather = _PendingGather(work, gathered, n, self._gather_scratch(gathered, gather_input))
         if not async_op:

@@ -45,6 +45,9 @@ class CheckedState(Protocol):
 
 # Keyed by identity (tensors' __eq__ is elementwise) and weak, so freed params drop out.
 _CLAIMS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+# id(sharded DTensor parameter) -> weakref(its ShardedParam). Keyed by id, never by a weak
+# reference to the parameter: a weakref on it would make module._apply's swap_tensors fail.
+_SHARDED: dict[int, weakref.ref] = {}
 
 
 def claim_original_param(param: nn.Parameter, sharded: ShardedParam) -> "weakref.ref | None":
@@ -52,6 +55,37 @@ def claim_original_param(param: nn.Parameter, sharded: ShardedParam) -> "weakref
     earlier = _CLAIMS.get(param)
     _CLAIMS[param] = weakref.ref(sharded)
     return earlier
+
+
+def note_sharded(sharded: "ShardedParam") -> None:
+    """Remember ``sharded``'s DTensor parameter, so a second fully_shard call that meets it
+    (a submodule registered under two sharded modules) says so instead of failing later."""
+    if len(_SHARDED) > 1024 and len(_SHARDED) & (len(_SHARDED) - 1) == 0:  # now and then: drop the dead
+        for key in [k for k, ref in _SHARDED.items() if ref() is None]:
+            del _SHARDED[key]
+    _SHARDED[id(sharded.sharded_param)] = weakref.ref(sharded)
+
+
+def check_not_sharded_already(params: list[nn.Parameter], sites: list) -> None:
+    """Raise if a parameter about to be managed is already a shardwise-sharded parameter."""
+    for param, param_sites in zip(params, sites):
+        ref = _SHARDED.get(id(param))
+        owner = None if ref is None else ref()
+        if owner is None or owner.sharded_param is not param:  # a freed parameter's id reused
+            continue
+        site, first = param_sites[0], owner.sites[0]
+        raise ValueError(
+            f"parameter {site.fqn!r} (in {type(site.module).__name__}) is already sharded by an earlier "
+            f"fully_shard call, as {first.fqn!r}: its module is registered under two fully_shard-ed modules, "
+            "and a parameter belongs to one group only. Call fully_shard on the shared module itself first, "
+            "or only on a common ancestor of both"
+        )
+
+
+def claimant(param: object) -> "ShardedParam | None":
+    """The ShardedParam that replaced ``param`` (an original, pre-shard parameter), if alive."""
+    ref = _CLAIMS.get(param) if isinstance(param, nn.Parameter) else None
+    return None if ref is None else ref()
 
 
 def assign_fqns(root: nn.Module, states: list[CheckedState]) -> None:

@@ -90,6 +90,7 @@ def fully_shard_mesh_info(mesh: object) -> MeshInfo:
             f"fully_shard expects mesh to be a torch.distributed.device_mesh.DeviceMesh, got "
             f"{type(mesh).__name__}: build one with init_device_mesh('cpu' or 'cuda', (world_size,))"
         )
+    check_mesh_device(mesh, "fully_shard")
     if mesh.ndim == 1:
         return MeshInfo(mesh, shard_mesh_dim=0, replicate_mesh_dim=None)
     if mesh.ndim == 2:
@@ -105,6 +106,30 @@ def fully_shard_mesh_info(mesh: object) -> MeshInfo:
         f"fully_shard expects a 1-D or 2-D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}; "
         "slice the data-parallel dims out of it, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']."
     )
+
+
+def check_mesh_device(mesh: DeviceMesh, api: str) -> None:
+    """A mesh names where communication happens: a real device type this process can use.
+
+    A ``"meta"`` mesh (meant for meta-device parameters) or one on an accelerator this
+    build or machine lacks would fail later with ``module 'torch' has no attribute ...``.
+    """
+    device_type = mesh.device_type
+    if device_type == "cpu":
+        return
+    if device_type == "meta":
+        raise ValueError(
+            f"{api} got a DeviceMesh on the 'meta' device; the mesh says where ranks communicate, so build it "
+            "on 'cpu' or 'cuda' (init_device_mesh('cuda', ...)); to create parameters without memory, build the "
+            "module under torch.device('meta') and call module.to_empty(device=...) after fully_shard"
+        )
+    backend = getattr(torch, device_type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise ValueError(
+            f"{api} got a DeviceMesh on device type {device_type!r}, which this process cannot use "
+            f"(torch.{device_type} is missing or not available); build the mesh with init_device_mesh('cpu', ...) "
+            "or on an accelerator this machine has"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from shardwise import collectives, tracing
 from shardwise.buffers import ReusableBuffer
+from shardwise.faults import monitor
 from shardwise.mesh import MeshInfo
 from shardwise.param import ShardedParam
 from shardwise.policies import MixedPrecisionPolicy
@@ -182,7 +183,10 @@ class GradReducer:
         reduced = comm.allocate((packed.size(1),), dtype=dtype, device=packed.device)
         pg = self.reduce_scatter_group or mesh_info.shard_group
         start = tracing.comm_clock()
-        work = comm(reduced, packed.view(-1), pg, dist.ReduceOp.SUM, async_op=True)
+        work = monitor.issue(
+            "reduce-scatter", group.fqn, pg, packed,
+            lambda: comm(reduced, packed.view(-1), pg, dist.ReduceOp.SUM, async_op=True),
+        )
         tracing.comm_issued("reduce_scatter", group.fqn, group.training_state.value, start, work)
         receive_buffer = isinstance(comm, collectives.DefaultReduceScatter) and collectives.all_to_all_receive_buffer(pg)
         self._pending = _PendingReduce(work, reduced, params, plan.post_divide, packed, receive_buffer=receive_buffer)
@@ -195,7 +199,8 @@ class GradReducer:
         if mesh_info.replicate_size == 1 or not self.requires_all_reduce or self._partial is not None:
             return _PendingReduce(None, flat, params, post_divide, packed)
         start = tracing.comm_clock()
-        work = collectives.all_reduce(flat, mesh_info.replicate_group, async_op=True)
+        pg = mesh_info.replicate_group
+        work = monitor.issue("all-reduce", self.group.fqn, pg, flat, lambda: collectives.all_reduce(flat, pg, async_op=True))
         tracing.comm_issued("all_reduce", self.group.fqn, self.group.training_state.value, start, work)
         return _PendingReduce(work, flat, params, post_divide, packed, all_reduced=True)
 
@@ -245,8 +250,9 @@ class GradReducer:
             self._partial = pending
             return None
         start, fqn, state = tracing.comm_clock(), self.group.fqn, self.group.training_state.value
-        collectives.all_reduce(pending.reduced, mesh_info.replicate_group, async_op=False)
-        tracing.comm_issued("all_reduce", fqn, state, start, None)  # synchronous: blocked throughout
+        pg, reduced = mesh_info.replicate_group, pending.reduced
+        monitor.issue("all-reduce", fqn, pg, reduced, lambda: collectives.all_reduce(reduced, pg, async_op=True)).wait()
+        tracing.comm_issued("all_reduce", fqn, state, start, None)  # waited here: blocked throughout
         return pending
 
     def discard(self) -> None:

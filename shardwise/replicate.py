@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.fully_shard import _check_modules, _derived_class, _register_state, build_state
-from shardwise.mesh import MeshInfo, default_mesh, spmd_mesh_info
+from shardwise.mesh import MeshInfo, check_mesh_device, default_mesh, spmd_mesh_info
 from shardwise.module import FSDPModule
 from shardwise.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, check_policies
 from shardwise.state import get_state
@@ -80,6 +80,7 @@ def _replicate_mesh_info(mesh: DeviceMesh, dp_mesh_dims: object) -> MeshInfo:
             "init_device_mesh(...), or dp_mesh_dims=DataParallelMeshDims(replicate=...) for a full SPMD "
             "mesh. For replicate + shard use fully_shard with a 2-D mesh (HSDP)."
         )
+    check_mesh_device(mesh, "replicate")
     return MeshInfo(mesh, shard_mesh_dim=None, replicate_mesh_dim=0)
 
 

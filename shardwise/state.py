@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise import init_checks, tracing
 from shardwise.dynamo_compat import run_eagerly
+from shardwise.faults import monitor as faults
 from shardwise.group import ParamGroup, TrainingState
 from shardwise.mesh import MeshInfo
 from shardwise.policies import MixedPrecisionPolicy
@@ -53,6 +54,7 @@ class IterationContext:
 
     is_last_backward: bool  # False: leave reductions in flight at the end of this backward
     iter_root: "ModuleState | None"  # the first state whose forward ran this iteration
+    process_groups: list  # every process group the states communicate on (faults' step marks)
 
     def __init__(self, root: "ModuleState", states: list["ModuleState"]):
         self.root = root
@@ -64,6 +66,7 @@ class IterationContext:
         self.is_last_backward = True
         self.iter_root = None
         self.forward_prefetcher = ForwardPrefetcher()
+        self.process_groups = _process_groups(states)
 
     def queue_final_callback(self, state: "ModuleState") -> None:
         """Queue the end-of-backward callback, from the root or the iteration's first module.
@@ -105,6 +108,7 @@ class IterationContext:
         for state in self.states:
             state.finish_iteration(wait_for_reductions=self.is_last_backward)
         self._clear()
+        faults.end_step(self.process_groups)
 
     def _clear(self) -> None:
         self.post_forward_order.clear()
@@ -253,6 +257,7 @@ class ModuleState(_State):
     def _enter_forward(self) -> None:
         prefetcher = self.ctx.forward_prefetcher
         if self.is_root:
+            faults.begin_step(self.ctx.process_groups)
             prefetcher.start()
         prefetcher.enter(self)
 
@@ -417,6 +422,21 @@ def _states_under(modules: tuple[nn.Module, ...]) -> list[ModuleState]:
             if state is not None and id(state) not in seen:
                 seen[id(state)] = state
     return list(seen.values())
+
+
+def _process_groups(states: list[ModuleState]) -> list:
+    """The distinct process groups the states' collectives run on."""
+    groups: list = []
+    for state in states:
+        group = state.group
+        if group is None:
+            continue
+        mesh_info = group.mesh_info
+        post_forward = group.post_forward.group if group.post_forward is not None else None
+        for pg in (mesh_info.shard_group, mesh_info.replicate_group, post_forward):
+            if pg is not None and not any(pg is g for g in groups):
+                groups.append(pg)
+    return groups
 
 
 def _cast_floating(dtype: torch.dtype, tree: Any) -> Any:

@@ -1,0 +1,112 @@
+"""Beacon: each rank's status in the c10d store, refreshed by a daemon thread.
+
+A rank blocked in a collective cannot tell a slow peer from a dead one by itself. So
+every rank publishes, every heartbeat, a :class:`~shardwise.faults.records.RankStatus`
+under ``shardwise/faults/status/<rank>``: the wall time and what the main thread is
+blocked on (set and cleared by the watchdog and the order check: two attribute writes
+per wait, no store traffic on the hot path). The thread keeps beating while the main
+thread computes (a healthy slow rank stays fresh) and stops when the process stops or
+dies (SIGSTOP, a crash, a lost link): its status goes stale, and that is how a peer
+knows. One beacon per rank (ranks can be threads of one process), on the current store.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+import weakref
+
+import torch.distributed as dist
+
+from shardwise.faults.records import Position, RankStatus
+
+__all__ = ["Beacon", "beacon_for", "status_key"]
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "shardwise/faults/status"
+
+
+def status_key(rank: int) -> str:
+    return f"{_PREFIX}/{rank}"
+
+
+class Beacon:
+    """This rank's published status and the thread that keeps it fresh."""
+
+    store: dist.Store
+    rank: int  # global rank
+    interval: float  # seconds between heartbeats
+    waiting: Position | None  # what the main thread is blocked on now
+    waiting_since: float | None
+    checking: bool  # blocked in the order check rather than on a collective
+
+    def __init__(self, store: dist.Store, rank: int, interval: float):
+        self.store = store
+        self.rank = rank
+        self.interval = interval
+        self.waiting = None
+        self.waiting_since = None
+        self.checking = False
+        self._stop = threading.Event()
+        self.publish()
+        thread = threading.Thread(
+            target=_beat, args=(weakref.ref(self), self._stop, interval), name=f"shardwise-beacon-{rank}", daemon=True
+        )
+        thread.start()
+
+    def status(self) -> RankStatus:
+        return RankStatus(self.rank, time.time(), self.waiting, self.waiting_since, self.checking)
+
+    def publish(self) -> None:
+        self.store.set(status_key(self.rank), pickle.dumps(self.status()))
+
+    def block(self, position: Position, checking: bool = False) -> None:
+        """The main thread is about to block on ``position``; published now, then every beat."""
+        self.waiting, self.waiting_since, self.checking = position, time.time(), checking
+
+    def unblock(self) -> None:
+        self.waiting = self.waiting_since = None
+        self.checking = False
+
+    def read(self, ranks: list[int]) -> dict[int, RankStatus | None]:
+        """The last status each of ``ranks`` published (None: never reported)."""
+        keys = [status_key(r) for r in ranks]
+        present = [r for r, k in zip(ranks, keys) if self.store.check([k])]
+        values = self.store.multi_get([status_key(r) for r in present]) if present else []
+        found = {r: pickle.loads(v) for r, v in zip(present, values)}
+        return {r: found.get(r) for r in ranks}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _beat(ref: "weakref.ref[Beacon]", stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        beacon = ref()
+        if beacon is None:
+            return
+        try:
+            beacon.publish()
+        except Exception as err:  # the store is gone (shutdown, lost link): nothing left to tell
+            logger.debug("shardwise beacon of rank %d stops: %s", beacon.rank, err)
+            return
+        del beacon
+
+
+_BEACONS: dict[int, Beacon] = {}  # global rank -> its beacon (ranks may be threads of one process)
+
+
+def beacon_for(interval: float) -> Beacon:
+    """This rank's beacon on the default store (started on first use; restarted, the old
+    thread stopped, when the store or the interval changed)."""
+    store = dist.distributed_c10d._get_default_store()
+    rank = dist.get_rank()
+    beacon = _BEACONS.get(rank)
+    if beacon is None or beacon.store is not store or beacon.interval != interval:
+        if beacon is not None:
+            beacon.stop()
+        beacon = _BEACONS[rank] = Beacon(store, rank, interval)
+    return beacon

@@ -1,0 +1,98 @@
+"""Ledger: what this rank issued on one process group, numbered the same way on every rank.
+
+Every shardwise collective on a process group gets the next sequence number of that
+group's ledger; ranks that run the same program give the same collective the same
+number, so "collective #41 on group G" names one thing on every rank. The ledger also
+counts steps (root forwards that use the group) and names the store keys the order
+check uses. One ledger per process-group object (ranks can be threads of one process,
+each with its own group objects); its key prefix adds how many ledgers this rank made for
+a group of that name, so a re-created group never reads a dead one's keys.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch.distributed as dist
+
+from shardwise.faults.beacon import Beacon, beacon_for
+from shardwise.faults.records import Collective, Position
+from shardwise.faults.settings import current
+
+__all__ = ["Ledger", "ledger_for"]
+
+
+class Ledger:
+    """The numbered collectives of one process group on this rank."""
+
+    name: str  # the group's name, identical on every rank
+    ranks: list[int]  # global ranks of the group
+    rank: int  # our global rank
+    prefix: str  # store key prefix of this ledger: shardwise/faults/<name>.<generation>
+    seq: int  # number of collectives recorded so far (the next one's index)
+    step: int  # current step on this group (0-based)
+    last_checked: int | None  # seq of the last order-checked collective (its key is deleted later)
+    host_waits: bool  # wait() blocks the host (gloo): the watchdog can wait with a deadline
+
+    def __init__(self, pg: dist.ProcessGroup, generation: int):
+        self.name = pg.group_name
+        self.ranks = dist.get_process_group_ranks(pg)
+        self.rank = dist.get_rank()
+        self.prefix = f"shardwise/faults/{self.name}.{generation}"
+        self.host_waits = dist.get_backend(pg) == "gloo"
+        self.seq = 0
+        self.step = 0
+        self._begun = 0
+        self.last_checked = None
+        self.init_checks = 0  # fully_shard calls whose initial values were compared (init_values)
+        self.beacon  # start publishing now: peers judge us by our status from the first wait
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.name!r}, ranks={self.ranks}, seq={self.seq}, step={self.step})"
+
+    @property
+    def store(self) -> dist.Store:
+        """The default store, looked up each time: a harness may swap it between tasks."""
+        return dist.distributed_c10d._get_default_store()
+
+    @property
+    def beacon(self) -> Beacon:
+        """This rank's status publisher on the current store."""
+        return beacon_for(current().heartbeat_interval)
+
+    def record(self, collective: Collective) -> Position:
+        """Number ``collective`` (the next on this group) and return its position."""
+        position = Position(self.name, self.seq, self.step, collective)
+        self.seq += 1
+        return position
+
+    def begin_step(self) -> None:
+        """A root forward that uses this group begins: the next step."""
+        self.step = self._begun
+        self._begun += 1
+        self.beacon  # (re)started if the store changed since the last step
+
+    def peers(self) -> list[int]:
+        return [r for r in self.ranks if r != self.rank]
+
+
+# id(group) -> (weakref(group), its ledger): a plain dict lookup per collective (a
+# WeakKeyDictionary makes a weakref per lookup); the weakref rules out a reused id.
+_LEDGERS: dict[int, tuple["weakref.ref[dist.ProcessGroup]", Ledger | None]] = {}
+_GENERATIONS: dict[tuple[str, int], int] = {}  # (group name, global rank) -> ledgers made
+
+
+def ledger_for(pg: dist.ProcessGroup) -> Ledger | None:
+    """The ledger of ``pg`` (made on first use); None for a one-rank group (no collectives)."""
+    entry = _LEDGERS.get(id(pg))
+    if entry is not None and entry[0]() is pg:
+        return entry[1]
+    ledger = None
+    if dist.get_world_size(pg) > 1:
+        key = (pg.group_name, dist.get_rank())
+        _GENERATIONS[key] = _GENERATIONS.get(key, 0) + 1
+        ledger = Ledger(pg, _GENERATIONS[key])
+    for key in [k for k, (ref, _) in _LEDGERS.items() if ref() is None]:  # groups destroyed since
+        del _LEDGERS[key]
+    _LEDGERS[id(pg)] = (weakref.ref(pg), ledger)
+    return ledger

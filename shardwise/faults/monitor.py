@@ -1,0 +1,69 @@
+"""The calls the library makes: ``issue`` every collective, and mark step boundaries.
+
+``ParamGroup`` and ``GradReducer`` start each collective through :func:`issue`, which
+numbers it in its group's :class:`~shardwise.faults.ledger.Ledger`, runs the order check
+when the step is checked, starts it, and wraps its work handle in a
+:class:`~shardwise.faults.watchdog.WatchedWork`. The root's forward calls
+:func:`begin_step`, the end of its backward :func:`end_step`. Unchecked steps cost a dict
+lookup, a counter and a wrapper per collective.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from shardwise.faults import order_check
+from shardwise.faults.ledger import ledger_for
+from shardwise.faults.records import END_OF_STEP, Collective
+from shardwise.faults.settings import current
+from shardwise.faults.watchdog import WatchedWork
+
+__all__ = ["issue", "begin_step", "end_step"]
+
+
+def _phase() -> str:
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+def issue(op: str, fqn: str, pg: dist.ProcessGroup, tensor: torch.Tensor, start: Callable[[], object]):
+    """Number, check and start one collective of ``fqn``'s group; returns its (watched) work.
+
+    Args:
+        op: "all-gather", "reduce-scatter" or "all-reduce".
+        fqn: the fully_shard module's FQN.
+        pg: the process group it runs on.
+        tensor: its per-rank input (its size and dtype are compared across ranks).
+        start: issues the collective (async) and returns the work handle.
+    """
+    ledger = ledger_for(pg)
+    if ledger is None:
+        return start()
+    settings = current()
+    position = ledger.record(Collective(op, fqn, _phase(), tensor.numel(), tensor.dtype))
+    if settings.checks_step(position.step):
+        order_check.agree(ledger, position, settings.watchdog_s)
+    work = start()
+    if work is None or settings.watchdog_s <= 0 or not ledger.host_waits:
+        return work
+    return WatchedWork(work, ledger, position, settings.watchdog_s)
+
+
+def begin_step(groups: Iterable[dist.ProcessGroup]) -> None:
+    """The root's forward begins a step on each of its process groups."""
+    for pg in groups:
+        ledger = ledger_for(pg)
+        if ledger is not None:
+            ledger.begin_step()
+
+
+def end_step(groups: Iterable[dist.ProcessGroup]) -> None:
+    """The root's backward ended: in a checked step, every group records the step's end."""
+    settings = current()
+    for pg in groups:
+        ledger = ledger_for(pg)
+        if ledger is not None and settings.checks_step(ledger.step):
+            position = ledger.record(Collective(END_OF_STEP, "", "backward", 0, None))
+            order_check.agree(ledger, position, settings.watchdog_s)

@@ -1,0 +1,185 @@
+"""Faults are named, not hung: the order check and the watchdog (shardwise.faults).
+
+Each case is one from issue #16's "Why", on real gloo ranks. The model lives on a fresh
+process group (``dist.new_group``) so that an unmatched collective never touches the warm
+pool's default group. Cases where an order-check error stops the ranks before a
+collective is issued return their messages; cases where a real collective is left hanging
+(the watchdog's) let the ranks fail, which throws the pool away: they come last.
+
+Detection times (divergence to error) are measured inside the ranks and checked against
+the deadline with generous slack: they are behaviour (the error comes from the watchdog,
+not from gloo's 30 min timeout), not speed targets.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import shardwise
+from shardwise import faults
+from shardwise.testing import RankFailure, pool_pids, run_on_ranks
+
+TIMEOUT_S = 60.0
+DEADLINE_S = 2.0  # the watchdog deadline in these tests (default 60 s)
+
+
+class Blocks(nn.Module):
+    """Two same-shaped blocks ``a``, ``b`` and an optional ``extra`` one, all sharded."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.extra = nn.Linear(8, 8)
+
+    def forward(self, x, order=("a", "b")):
+        for name in order:
+            x = getattr(self, name)(x)
+        return x
+
+
+def _sharded_blocks() -> Blocks:
+    mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
+    model = Blocks()
+    for block in (model.a, model.b, model.extra):
+        shardwise.fully_shard(block, mesh=mesh)
+    return shardwise.fully_shard(model, mesh=mesh)
+
+
+def _order(case: str, step: int, at: int) -> tuple[str, ...]:
+    """The blocks rank 0 and rank 1 run at ``step`` when the divergence is ``at``."""
+    if step != at or dist.get_rank() == 1:
+        return ("a", "b")
+    return {"extra": ("a", "extra", "b"), "swapped": ("b", "a"), "skipped": ("a",), "same": ("a", "b")}[case]
+
+
+def _train(case: str, at: int, steps: int = 4) -> None:
+    model = _sharded_blocks()
+    for step in range(steps):
+        model(torch.ones(2, 8), order=_order(case, step, at)).sum().backward()
+
+
+def _caught(case: str, at: int, order_check) -> tuple[str, float]:
+    """Run until the order check raises; (message, seconds from the divergent step's start)."""
+    faults.configure(order_check=order_check, watchdog_s=DEADLINE_S)
+    model = _sharded_blocks()
+    for step in range(at + 2):
+        start = time.monotonic()
+        try:
+            model(torch.ones(2, 8), order=_order(case, step, at)).sum().backward()
+        except faults.CollectiveMismatchError as err:
+            return str(err), time.monotonic() - start
+    return "no error", 0.0
+
+
+# -- the order check ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case,names",
+    [("extra", ("extra", "b")), ("swapped", ("of b", "of a")), ("skipped", ("all-gather of a", "all-gather of b"))],
+    ids=["extra-block-on-rank-0", "same-shape-blocks-swapped", "block-skipped-on-rank-0"],
+)
+def test_order_check_names_the_diverging_collective_on_every_rank(case, names):
+    results = run_on_ranks(_caught, 2, case, 1, 2, timeout=TIMEOUT_S)
+
+    for rank, (message, seconds) in enumerate(results):
+        assert "ranks diverged at step 1" in message, (rank, message)
+        assert all(name in message for name in names), (rank, message)
+        assert "rank 0:" in message and "rank 1:" in message, message
+        assert seconds < DEADLINE_S, (rank, seconds, message)  # found before anything hung
+
+
+def test_order_check_always_catches_a_late_step_and_default_leaves_it_to_the_watchdog():
+    always = run_on_ranks(_caught, 2, "swapped", 4, "always", timeout=TIMEOUT_S)
+
+    assert all("ranks diverged at step 4" in m for m, _ in always), always
+
+
+def _slow_rank() -> list[float]:
+    """Rank 1 computes for twice the deadline in step 2's forward; nobody is blamed."""
+    faults.configure(watchdog_s=1.0, order_check=1)
+    model = _sharded_blocks()
+
+    def slow(module, args):
+        if dist.get_rank() == 1 and slow.step == 2:
+            time.sleep(2.5)
+
+    model.b.register_forward_pre_hook(slow)
+    losses = []
+    for slow.step in range(4):
+        losses.append(model(torch.ones(2, 8)).sum().item())
+        model.a.weight.grad = None
+    return losses
+
+
+def test_a_slow_rank_is_not_a_fault():
+    losses = run_on_ranks(_slow_rank, 2, timeout=TIMEOUT_S)
+
+    assert losses[0] == losses[1]
+
+
+# -- the watchdog (the ranks fail: the pool is thrown away) -----------------------------
+
+
+def _fault(kind: str, pids: list[int]) -> None:
+    """Divergence at step 3 (past the 2 checked steps): ``extra`` control flow, rank 1
+    stopped (SIGSTOP), or rank 1 killed. Rank 0 reports the detection time."""
+    faults.configure(watchdog_s=DEADLINE_S)
+    model = _sharded_blocks()
+    for step in range(5):
+        start = time.monotonic()
+        if step == 3 and dist.get_rank() == 1 and kind == "stopped":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if step == 3 and dist.get_rank() == 1 and kind == "killed":
+            os._exit(17)
+        try:
+            model(torch.ones(2, 8), order=_order("extra" if kind == "extra" else "same", step, 3)).sum().backward()
+        except (faults.CollectiveTimeoutError, faults.CollectiveFailedError) as err:
+            detected = time.monotonic() - start
+            if kind == "stopped":
+                os.kill(pids[1], signal.SIGKILL)
+            if kind == "extra":  # the peer reaches its own deadline up to one later: the
+                time.sleep(DEADLINE_S)  # harness gives it 1 s after a failure, so report later
+            raise type(err)(f"{err} [detected after {detected:.2f} s]") from None
+
+
+def _detected_after(trace: str) -> float:
+    return float(re.search(r"detected after ([0-9.]+) s", trace).group(1))
+
+
+def test_watchdog_explains_control_flow_past_the_checked_steps_on_every_rank():
+    pool_pids(2)
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_fault, 2, "extra", [], timeout=TIMEOUT_S)
+
+    traces = info.value.tracebacks
+    assert set(traces) == {0, 1}, str(info.value)
+    for rank, trace in traces.items():
+        assert "CollectiveTimeoutError: shardwise watchdog" in trace, trace
+        assert "of extra (step 3" in trace and f"rank {1 - rank} is in the" in trace, trace
+        assert _detected_after(trace) < 4 * DEADLINE_S, trace
+
+
+@pytest.mark.parametrize("kind", ["stopped", "killed"])
+def test_watchdog_names_a_stopped_or_dead_rank(kind):
+    pids = pool_pids(2)
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_fault, 2, kind, pids, timeout=TIMEOUT_S)
+
+    trace = info.value.tracebacks[0]
+    if kind == "stopped":
+        assert "CollectiveTimeoutError" in trace and "rank 1 has not reported for" in trace, trace
+        assert "dead or stopped" in trace, trace
+    else:
+        assert "CollectiveFailedError" in trace and "rank 1" in trace, trace
+    assert _detected_after(trace) < 4 * DEADLINE_S, trace
