@@ -52,7 +52,12 @@ class WatchedWork:
         self._deadline = deadline
 
     def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
+        """True once done; False while in flight or when the handle cannot say (a custom comm's
+        work without ``is_completed``), as for any unpollable c10d work."""
+        if self._work is None:
+            return True
+        check = getattr(self._work, "is_completed", None)
+        return bool(check()) if callable(check) else False
 
     def wait(self, timeout=None) -> bool:
         work, self._work = self._work, None
