@@ -2,7 +2,8 @@
 
 Data flow of one group (N ranks in the shard group, P = sum of padded shard numels)::
 
-    unshard:  flat shard (P,) --all_gather--> gathered (N*P,) --copy_out--> per-param (N*pn,) segments
+    unshard:  padded shards --copy_in--> our (P,) slot of gathered (N*P,) --all_gather (in place)-->
+              gathered --copy_out--> per-param (N*pn,) segments
     reduce:   unsharded grads --pack_for_reduce--> (N, Pg) --reduce_scatter--> (Pg,) our shard
               [HSDP: --all_reduce over the replicate group-->]
 
@@ -33,6 +34,18 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     """All-gather ``input`` (P,) from every rank into ``output`` (N*P,), rank-major."""
     comm_stats.record("all_gather", _nbytes(output), dist.get_world_size(group))
     return dist.all_gather_single(output, input, group=group, async_op=async_op)
+
+
+def copy_in(slot: torch.Tensor, shards: list[torch.Tensor]) -> None:
+    """Lay the padded ``shards`` back to back into ``slot`` (P,), casting to its dtype and
+    moving to its device on the way: our input of an in-place all-gather (FSDP2's copy-in)."""
+    flats = [s.reshape(-1) for s in shards]
+    if len(flats) == 1:
+        slot.copy_(flats[0], non_blocking=True)
+    elif all(f.dtype == slot.dtype and f.device == slot.device for f in flats):
+        torch.cat(flats, out=slot)
+    else:
+        torch._foreach_copy_(list(slot.split([f.numel() for f in flats])), flats, non_blocking=True)
 
 
 def copy_out(gathered: torch.Tensor, num_shards: int, split_sizes: list[int], outs: list[torch.Tensor]) -> None:

@@ -3,11 +3,13 @@
 One unshard is one all-gather for the whole group; one synced backward is one
 reduce-scatter (plus one all-reduce over the replicate dim for HSDP). The group owns:
 
-* the **flat shard** buffer ``(P,)`` holding every param's padded shard back to back; the
-  sharded DTensor parameters are views into it, so the all-gather reads it directly;
+* the **all-gather**: every param's padded shard (each its own tensor, see param.py) is
+  copied into our rank's slot of the ``(N*P,)`` output, cast and moved on the way, and
+  gathered in place, as FSDP2 does;
 * the **unsharded** buffer ``(N*P,)`` holding every param's gathered rows; unsharded params
-  alias it. Resharding frees its storage but keeps the tensor objects, so views autograd
-  saved stay valid and are refilled by the next unshard;
+  alias it (with one shard and nothing to cast they alias the padded shards themselves).
+  Resharding frees its storage but keeps the tensor objects, so views autograd saved stay
+  valid and are refilled by the next unshard;
 * for ``reshard_after_forward=k``, the **post-forward shard** ``(N/k*P,)`` kept between
   forward and backward, gathered over a block of ``k`` ranks;
 * the work handles of an in-flight all-gather and reduction.
@@ -61,10 +63,10 @@ class ParamGroup:
     sharded_state: ShardedState
     reducer: GradReducer
     post_forward: PostForwardGroup | None  # set for reshard_after_forward=int
-    _flat_shard: torch.Tensor  # (P,) padded shards, original dtype, on device or host
-    _offsets: list[int]  # start of each param's padded shard in _flat_shard
+    _offsets: list[int]  # start of each param's padded shard in a rank's (P,) all-gather slot
     _unsharded_flat: torch.Tensor | None  # (N*P,) in param dtype; storage empty while sharded
-    _segments: list[torch.Tensor]  # per param (N*pn,) views into _unsharded_flat
+    _aliased: bool  # shard size 1, nothing to cast or move: segments are the padded shards
+    _segments: list[torch.Tensor]  # per param (N*pn,) views into _unsharded_flat (or its padded shard)
     _post_forward_shard: torch.Tensor | None  # (N/k*P,) our block's share, between fwd and bwd
 
     def __init__(
@@ -89,6 +91,7 @@ class ParamGroup:
         self._pending_gather: _PendingGather | None = None
         self._gathered_version = -1  # the flat shard's version when last gathered
         self._unsharded_flat = None
+        self._aliased = False
         self._segments = []
         self._post_forward_shard = None
         # knobs the FSDPModule setters change
@@ -105,9 +108,9 @@ class ParamGroup:
             self._offsets.append(offset)
             offset += p.padded_numel
         self._total_numel = offset
-        self._build_flat_shard([p.local_chunk(o) for p, o in zip(params, originals)])
-        for p, local in zip(params, self._shard_views()):
-            p.init_sharded_param(local)
+        self._check_one_dtype([o.dtype for o in originals])
+        for p, original in zip(params, originals):
+            p.init_sharded_param(p.local_chunk(original), self._storage_device(), self.pin_memory)
         self.reducer = GradReducer(self)
 
     def __repr__(self) -> str:
@@ -116,49 +119,42 @@ class ParamGroup:
     def _emit(self, kind: str) -> None:
         tracing.emit(kind, self.fqn, self.training_state.value)
 
-    # ---- the flat shard ---------------------------------------------------------------
+    # ---- the sharded params -----------------------------------------------------------
 
-    def _build_flat_shard(self, locals_: list[torch.Tensor]) -> None:
-        """Allocate the flat shard buffer and copy each param's real rows into its segment."""
-        dtypes = {t.dtype for t in locals_}
-        if len(dtypes) > 1:
-            names = ", ".join(f"{p.fqn}: {t.dtype}" for p, t in zip(self.params, locals_))
+    def _check_one_dtype(self, dtypes: list[torch.dtype]) -> None:
+        if len(set(dtypes)) > 1:
+            names = ", ".join(f"{p.fqn}: {dtype}" for p, dtype in zip(self.params, dtypes))
             raise NotImplementedError(
                 f"fully_shard needs one dtype per group, got {names}; call fully_shard separately on the "
                 "submodules whose parameters differ in dtype, or cast the module first"
             )
-        device = locals_[0].device if locals_[0].is_meta else self._storage_device()
-        flat = torch.zeros(self._total_numel, dtype=locals_[0].dtype, device=device)
-        if self.pin_memory:
-            flat = flat.pin_memory()
-        self._flat_shard = flat
-        if not flat.is_meta:
-            with torch.no_grad():
-                for view, local in zip(self._shard_views(), locals_):
-                    view.copy_(local)
 
     def _storage_device(self) -> torch.device:
         return torch.device("cpu") if self.offload else self.device
 
-    def _shard_views(self) -> list[torch.Tensor]:
-        flat = self._flat_shard
-        return [p.shard_view(flat[o : o + p.padded_numel]) for p, o in zip(self.params, self._offsets)]
-
     def reset_sharded_params(self) -> None:
-        """After ``module._apply`` (``.to(dtype)``, ``to_empty``): rebuild the flat shard from
-        the params' current local tensors and repoint them into it, keeping param identity."""
+        """Adopt what the modules hold now as the sharded params: after ``module._apply``
+        (``.to(dtype)``, ``to_empty``: same objects, new data) or ``load_state_dict(assign=True)``
+        (new objects, which become the params as in FSDP2). See :meth:`ShardedParam.adopt`.
+        The unsharded buffers are dropped and rebuilt, in the new dtype, at the next unshard."""
         self.reshard()
-        locals_ = [p.sharded_param._local_tensor for p in self.params]
-        self._build_flat_shard(locals_)
-        for p, view in zip(self.params, self._shard_views()):
-            p.repoint_local(view)
+        for p in self.params:
+            p.adopt(p.sites[0].module._parameters[p.sites[0].name], self._storage_device(), self.pin_memory)
             p.unsharded_param = None
+        self._check_one_dtype([p.sharded_param.dtype for p in self.params])
         self._unsharded_flat = None
+        self._aliased = False
         self._segments = []
+
+    def registered_params_replaced(self) -> bool:
+        """Whether a module holds another object than our sharded param (``assign=True``)."""
+        return any(
+            site.module._parameters.get(site.name) is not p.sharded_param for p in self.params for site in p.sites
+        )
 
     @property
     def param_dtype(self) -> torch.dtype:
-        return self.mp_policy.param_dtype or self._flat_shard.dtype
+        return self.mp_policy.param_dtype or self.params[0].padded_shard.dtype
 
     @property
     def is_unsharded(self) -> bool:
@@ -175,31 +171,30 @@ class ParamGroup:
     def _aliases_shard(self) -> bool:
         """One shard of the whole params (world size 1, replicate) needing no cast or device
         copy: the unsharded params are the flat shard itself, and nothing is copied or freed."""
-        flat = self._flat_shard
+        shard = self.params[0].padded_shard
         return (
             self.mesh_info.shard_size == 1
-            and flat.dtype == self.param_dtype
-            and flat.device == self.device
+            and shard.dtype == self.param_dtype
+            and shard.device == self.device
             and all(p.shard_dim == 0 for p in self.params)
         )
 
     def _ensure_unsharded_buffer(self) -> None:
         """Create the unsharded buffer and the params aliasing it (once; storage starts freed)."""
         n = self.mesh_info.shard_size
-        if self._unsharded_flat is not None and self._unsharded_flat.dtype == self.param_dtype:
+        if self._segments and self._segments[0].dtype == self.param_dtype:
             return
-        if self._aliases_shard:
-            self._unsharded_flat = self._flat_shard
+        self._aliased = self._aliases_shard
+        if self._aliased:
+            self._unsharded_flat = None
+            self._segments = [p.padded_shard.view(-1) for p in self.params]
         else:
             self._unsharded_flat = torch.empty(n * self._total_numel, dtype=self.param_dtype, device=self.device)
-        self._segments = []
-        offset = 0
-        for p in self.params:
-            segment = self._unsharded_flat[offset : offset + p.gathered_numel()]
-            self._segments.append(segment)
+            sizes = [p.gathered_numel() for p in self.params]
+            self._segments = list(self._unsharded_flat.split(sizes))
+        for p, segment in zip(self.params, self._segments):
             p.init_unsharded_param(segment)
-            offset += p.gathered_numel()
-        if self._unsharded_flat is not self._flat_shard:
+        if self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
 
     def _allocate_unsharded_storage(self) -> None:
@@ -209,14 +204,19 @@ class ParamGroup:
         if storage.size() == 0:
             storage.resize_(self._unsharded_flat.numel() * self._unsharded_flat.element_size())
 
-    def _gather_source(self) -> tuple[torch.Tensor, object, int]:
-        """(input, process group, ranks) of the next all-gather: from the full shard, or
-        from the post-forward shard over the block of k ranks."""
+    def _gather_io(self) -> tuple[torch.Tensor, torch.Tensor, object, int]:
+        """(output, input, process group, ranks) of the next all-gather. From the full shards:
+        every param's padded shard is copied (cast to ``param_dtype``, moved to the device)
+        into our rank's slot of the output, which is the input (gathered in place, as FSDP2
+        does). After an int reshard: from the post-forward shard, over the block of k ranks."""
         if self._post_forward_shard is not None:
             pf = self.post_forward
-            return self._post_forward_shard, pf.group, pf.size
-        gather_input = self._flat_shard.to(self.device, self.param_dtype, non_blocking=True)
-        return gather_input, self.mesh_info.shard_group, self.mesh_info.shard_size
+            return self._gather_output(pf.size), self._post_forward_shard, pf.group, pf.size
+        n = self.mesh_info.shard_size
+        gathered = self._gather_output(n)
+        slot = gathered.view(n, -1)[self.mesh_info.shard_rank]  # (P,)
+        collectives.copy_in(slot, [p.padded_shard for p in self.params])
+        return gathered, slot, self.mesh_info.shard_group, n
 
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the group's params (idempotent); ``wait_for_unshard`` finishes it.
@@ -229,8 +229,8 @@ class ParamGroup:
             self.reshard()
         if self.is_unsharded or self._pending_gather is not None:
             return
-        if self._flat_shard.is_meta:
-            names = [p.fqn for p in self.params]
+        if any(p.padded_shard.is_meta for p in self.params):
+            names = [p.fqn for p in self.params if p.padded_shard.is_meta]
             raise RuntimeError(
                 f"cannot unshard {self.fqn or 'the root module'}: parameters {names} are on the meta device; "
                 "call module.to_empty(device=...) and initialise them first"
@@ -238,17 +238,15 @@ class ParamGroup:
         self._wait_post_optim_event()
         self._ensure_unsharded_buffer()
         self._emit("unshard")
-        if self._unsharded_flat is self._flat_shard:
+        if self._aliased:
             self._register_unsharded()
             return
         self._gathered_version = self._shard_version()
-        gather_input, group, n = self._gather_source()
-        if n == 1:
-            self._pending_gather = _PendingGather(None, gather_input, 1)
-        else:
-            gathered = self._gather_output(n)
-            work = self.all_gather_comm(gathered, gather_input, group, async_op=True)
-            self._pending_gather = _PendingGather(work, gathered, n, self._gather_scratch(gathered, gather_input))
+        scratch_input = self._post_forward_shard  # freed once copied out; a slot of ``gathered`` is not
+        gathered, gather_input, group, n = self._gather_io()
+        scratch = self._gather_scratch(gathered, scratch_input)
+        work = None if n == 1 else self.all_gather_comm(gathered, gather_input, group, async_op=True)
+        self._pending_gather = _PendingGather(work, gathered, n, scratch)
         if not async_op:
             self.wait_for_unshard()
 
@@ -261,13 +259,13 @@ class ParamGroup:
     def _gathered_stale(self) -> bool:
         """Whether a sharded param changed since the last all-gather (an optimizer step, a
         checkpoint load). Aliased params (``replicate``) are the shard: never stale."""
-        return self._unsharded_flat is not self._flat_shard and self._shard_version() != self._gathered_version
+        return not self._aliased and self._shard_version() != self._gathered_version
 
-    def _gather_scratch(self, gathered: torch.Tensor, gather_input: torch.Tensor) -> list[torch.Tensor]:
-        """The buffers of this all-gather that die at copy-out: a cast/offload copy of the
-        shard or the post-forward shard (the input), and our own output buffer (a custom
-        comm's output is its own memory: left to it)."""
-        scratch = [] if gather_input is self._flat_shard else [gather_input]
+    def _gather_scratch(self, gathered: torch.Tensor, post_forward_shard: torch.Tensor | None) -> list[torch.Tensor]:
+        """The buffers of this all-gather that die at copy-out: the post-forward shard it
+        read, and our own output buffer (a custom comm's output is its own memory: left to
+        it; the unsharded segment a one-param group gathers into is the result)."""
+        scratch = [] if post_forward_shard is None else [post_forward_shard]
         if gathered is not self._segments[0] and isinstance(self.all_gather_comm, collectives.DefaultAllGather):
             scratch.append(gathered)
         return scratch
@@ -329,7 +327,7 @@ class ParamGroup:
         for p in self.params:
             p.register_sharded()
             p.free_own_unsharded()
-        if self._unsharded_flat is not None and self._unsharded_flat is not self._flat_shard:
+        if self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
         self._emit("reshard")
 
