@@ -15,6 +15,7 @@ Everything here runs inside the ranks of :func:`shardwise.testing.run_on_ranks`.
 
 from __future__ import annotations
 
+import copy
 import io
 
 import torch
@@ -158,7 +159,7 @@ def check_contract(model: nn.Module, expected: dict[str, torch.Tensor], where: s
     afterwards, whose local shard equals ``expected`` (bit for bit, dtype included);
     values of different parameters share no storage; ``torch.save`` then
     ``torch.load(weights_only=True)`` gives every local tensor back bit-equal with its
-    placements.
+    placements, and so does ``copy.deepcopy``.
     """
     sd = model.state_dict()
     storage_owner: dict[int, int] = {}
@@ -176,6 +177,7 @@ def check_contract(model: nn.Module, expected: dict[str, torch.Tensor], where: s
     for key, value in sd.items():
         assert loaded[key].placements == value.placements, f"{where}: {key} reloaded as {loaded[key].placements}"
     assert_equal(f"{where} (torch.save/load)", local_values(loaded), expected)
+    assert_equal(f"{where} (deepcopy, DCP's async stager)", local_values(copy.deepcopy(sd)), expected)
 
 
 def reshard_all(model: nn.Module) -> None:
