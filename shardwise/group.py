@@ -89,7 +89,7 @@ class ParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self.post_forward = None
         self._pending_gather: _PendingGather | None = None
-        self._gathered_version = -1  # the flat shard's version when last gathered
+        self._gathered_version = -1  # the shards' version (_shard_version) when last gathered
         self._unsharded_flat = None
         self._aliased = False
         self._segments = []
@@ -170,7 +170,7 @@ class ParamGroup:
     @property
     def _aliases_shard(self) -> bool:
         """One shard of the whole params (world size 1, replicate) needing no cast or device
-        copy: the unsharded params are the flat shard itself, and nothing is copied or freed."""
+        copy: the unsharded params alias the padded shards, and nothing is copied or freed."""
         shard = self.params[0].padded_shard
         return (
             self.mesh_info.shard_size == 1

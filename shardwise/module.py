@@ -294,7 +294,7 @@ class FSDPModule:
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``.to(dtype)`` / ``to_empty`` swap the sharded DTensor params' data in place
-        # (identity kept); the group then rebuilds its flat shard around the new data.
+        # (identity kept); the group then adopts the new data as its padded shards.
         groups = self._groups()
         for group in groups:
             group.reshard()

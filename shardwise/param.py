@@ -141,7 +141,7 @@ class ShardedParam:
         return data.detach().narrow(self.shard_dim, start, length)
 
     def shard_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
-        """The real (unpadded) shard as a view of its padded segment of the flat shard buffer."""
+        """The real (unpadded) rows of a padded segment (a reduced gradient buffer), as a view."""
         if self.shard_dim == 0:
             return padded_flat.view(self._padded_shape)[: self.local_size[0]]
         return padded_flat.view(self.local_size)
