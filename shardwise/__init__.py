@@ -21,6 +21,7 @@ from shardwise.replicate import ReplicateModule, replicate
 from shardwise.policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from shardwise.switch import install_as_torch_fsdp, uninstall_as_torch_fsdp
 from shardwise.tracing import trace
+from shardwise.planning import Plan, auto_shard, plan
 
 __all__ = [
     "fully_shard",
@@ -38,4 +39,7 @@ __all__ = [
     "clip_grad_norm_",
     "install_as_torch_fsdp",
     "uninstall_as_torch_fsdp",
+    "plan",
+    "auto_shard",
+    "Plan",
 ]

@@ -54,6 +54,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     add("--warmup-steps", type=int, default=d.warmup_steps, help="warm-up steps of the cosine schedule")
     add("--metrics", metavar="PATH", help="append one JSON line per step (step, loss, tokens_per_s, ...) to PATH")
     _add_checkpoint_args(p, d)
+    add("--auto", action="store_true",
+        help="shard as shardwise.plan says and report predicted vs measured peak memory")
     add("-v", "--verbose", action="store_true", help="log set-up details from every rank")
 
 
@@ -81,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
     )
     _add_train_args(train)
+    from shardwise.planning.cli import add_plan_args
+
+    plan = commands.add_parser(
+        "plan", help="plan units, memory and communication for a model (no ranks needed)",
+        description="Plan how to fully_shard a model at scale: units, reshard policies, per-rank peak memory, "
+        "bytes on the wire. Exit code 1 when the plan does not fit --memory.",
+    )
+    add_plan_args(plan)
     return parser
 
 
@@ -93,7 +103,7 @@ def _train_config(args: argparse.Namespace):
         data=args.data, data_bytes=args.data_bytes, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
         metrics=args.metrics, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep_last=args.keep_last, resume=args.resume, async_checkpoint=args.async_checkpoint,
-        stop_after=args.stop_after,
+        stop_after=args.stop_after, auto=args.auto,
     )
 
 
@@ -141,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``shardwise`` and ``python -m shardwise``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.command == "plan":
+        from shardwise.planning.cli import run_plan
+
+        return run_plan(args)
     try:
         cfg = _train_config(args)
     except ValueError as e:

@@ -36,16 +36,28 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     return dist.all_gather_single(output, input, group=group, async_op=async_op)
 
 
-def copy_in(slot: torch.Tensor, shards: list[torch.Tensor]) -> None:
-    """Lay the padded ``shards`` back to back into ``slot`` (P,), casting to its dtype and
-    moving to its device on the way: our input of an in-place all-gather (FSDP2's copy-in)."""
-    flats = [s.reshape(-1) for s in shards]
+def copy_in(slot: torch.Tensor, shards: list[torch.Tensor], widths: list[int]) -> None:
+    """Lay the padded ``shards`` back to back into ``slot`` (P,), each into ``widths[i]`` of
+    the slot's units: our input of an in-place all-gather (FSDP2's copy-in).
+
+    The slot is in the gather dtype. A shard of another dtype is cast element-wise on the
+    way (``param_dtype``), except into a byte slot (a mixed-dtype group gathered as is, see
+    layout.py), where its bytes are copied; either way it is moved to the slot's device.
+    """
+    flats = [_in_units_of(slot, s.reshape(-1)) for s in shards]
     if len(flats) == 1:
         slot.copy_(flats[0], non_blocking=True)
     elif all(f.dtype == slot.dtype and f.device == slot.device for f in flats):
         torch.cat(flats, out=slot)
     else:
-        torch._foreach_copy_(list(slot.split([f.numel() for f in flats])), flats, non_blocking=True)
+        torch._foreach_copy_(list(slot.split(widths)), flats, non_blocking=True)
+
+
+def _in_units_of(slot: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` as bytes when ``slot`` holds bytes of several dtypes, else as it is."""
+    if slot.dtype == torch.uint8 and flat.dtype != torch.uint8:
+        return flat.view(torch.uint8)
+    return flat
 
 
 def copy_out(gathered: torch.Tensor, num_shards: int, split_sizes: list[int], outs: list[torch.Tensor]) -> None:
@@ -134,9 +146,9 @@ def free_storage(buffer: torch.Tensor) -> None:
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
     """SUM-reduce-scatter ``input`` (N*Pg,) into our ``output`` (Pg,).
 
-    On gloo this is an all-to-all of the N chunks followed by a local sum (see
-    :func:`use_all_to_all_reduce`), which may reorder ``input``'s rows; elsewhere the
-    backend's reduce-scatter.
+    The backend's reduce-scatter, as torch's FSDP2 issues it. Opt-in on gloo: an all-to-all
+    of the N chunks followed by a local sum (see :func:`use_all_to_all_reduce`), which may
+    reorder ``input``'s rows.
     """
     n = dist.get_world_size(group)
     if not use_all_to_all_reduce(group):
@@ -202,18 +214,22 @@ def all_to_all_receive_buffer(group: dist.ProcessGroup) -> bool:
 
 
 def use_all_to_all_reduce(group: dist.ProcessGroup) -> bool:
-    """Whether to reduce-scatter as all-to-all + local sum (gloo, unless told otherwise).
+    """Whether to reduce-scatter as all-to-all + local sum: only on gloo, and only when
+    ``SHARDWISE_GLOO_REDUCE_SCATTER=all_to_all`` asks for it.
 
     gloo's reduce-scatter behaves like an all-reduce followed by a slice: it writes about
     twice the ring ideal to its sockets. An all-to-all moves each rank's (N-1)/N chunks once
     and the sum happens locally — half the bytes on the sockets (``/proc/self/io``), and in
     a micro-benchmark here 1.5x (2 ranks, 4 MB) to 2.3x (4 ranks, 16 MB) faster. The result
     is exact; for 2 ranks it is bit-identical (a + b), for more
-    ranks the summation order (ours first, then rank order) may differ from gloo's ring. Set
-    ``SHARDWISE_GLOO_REDUCE_SCATTER=native`` to use gloo's own reduce-scatter.
+    ranks the summation order (ours first, then rank order) may differ from gloo's ring.
+
+    It is not the default because a drop-in's collectives by kind are torch's: under
+    ``CommDebugMode`` (or any counter of ``torch.ops.c10d`` ops) users' tests count
+    ``_reduce_scatter_base_`` per group and backward, and an all-to-all is not one.
     """
-    native = os.environ.get("SHARDWISE_GLOO_REDUCE_SCATTER", "all_to_all") == "native"
-    return not native and dist.get_backend(group) == "gloo"
+    chosen = os.environ.get("SHARDWISE_GLOO_REDUCE_SCATTER", "native")
+    return chosen == "all_to_all" and dist.get_backend(group) == "gloo"
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
@@ -258,13 +274,17 @@ class DefaultReduceScatter(ReduceScatter):
 
 
 class ReducePlan(NamedTuple):
-    """Scale by ``1/pre_divide`` before a SUM collective and by ``1/post_divide`` after it."""
+    """Scale by ``1/pre_divide`` before a SUM collective and by ``1/post_divide`` after it;
+    or multiply by ``pre_multiply`` before it (torch's ``PREMUL_SUM``)."""
 
     pre_divide: float
     post_divide: float
+    pre_multiply: float = 1.0
 
 
-def plan_reduction(dtype: torch.dtype, world: int, divide_factor: float | None, shard_size: int) -> ReducePlan:
+def plan_reduction(
+    dtype: torch.dtype, world: int, divide_factor: float | None, shard_size: int, force_sum: bool = False
+) -> ReducePlan:
     """How to turn a SUM over ``world`` ranks into the gradient the user expects.
 
     Default: the mean (divide by ``world``). ``divide_factor``: divide by it instead. fp16
@@ -275,7 +295,15 @@ def plan_reduction(dtype: torch.dtype, world: int, divide_factor: float | None, 
     With ``shard_size`` 1 (replicate) the reduced buffer is the whole gradient, so a
     post-divide would be a second pass over it: the division happens before the sum
     instead, fused into packing (:func:`pack_dividing`), as DDP divides into its buckets.
+    That is also torch's world-size-1 numerics: exactly one division by the factor.
+
+    A ``divide_factor`` other than the shard size, in fp32/bf16 and without
+    ``force_sum``, is torch's ``PREMUL_SUM(1/f)``: every rank multiplies its gradient by
+    ``1/f`` before the SUM (bit-equal to torch; ``x * (1/f)`` and ``x / f`` round apart).
     """
+    premul = divide_factor is not None and divide_factor != shard_size and shard_size > 1
+    if premul and not force_sum and dtype in (torch.float32, torch.bfloat16):
+        return ReducePlan(1.0, 1.0, 1.0 / divide_factor)
     factor = float(world if divide_factor is None else divide_factor)
     if dtype == torch.float16 and factor > 1:
         pre = float(2 ** math.ceil(math.log2(math.sqrt(factor))))

@@ -49,7 +49,12 @@ def record(kind: str, payload_bytes: int, group_size: int) -> None:
     _STATS.counts[kind] += 1
     _STATS.payload_bytes[kind] += payload_bytes
     if group_size > 1:
-        _STATS.wire_bytes[kind] += _RING_FACTOR[kind] * payload_bytes * (group_size - 1) // group_size
+        _STATS.wire_bytes[kind] += ring_wire_bytes(kind, payload_bytes, group_size)
+
+
+def ring_wire_bytes(kind: str, payload_bytes: int, group_size: int) -> int:
+    """Bytes one rank sends for one collective of ``kind`` in a bandwidth-optimal ring."""
+    return _RING_FACTOR[kind] * payload_bytes * (group_size - 1) // group_size
 
 
 def snapshot() -> CommStats:

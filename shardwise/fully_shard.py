@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from shardwise import init_checks
+from shardwise.dynamo_compat import implements_forward
 from shardwise.group import ParamGroup
 from shardwise.mesh import MeshInfo, default_mesh, fully_shard_mesh_info, post_forward_group, spmd_mesh_info
 from shardwise.module import FSDPModule
@@ -94,13 +95,14 @@ def build_state(
 ) -> ModuleState:
     """The pipeline shared by fully_shard and replicate: params → group → state."""
     params, sites, buffers = _managed_tensors(modules, ignored_params or set())
+    placements = [_placement(shard_placement_fn, p, s, mesh_info) for p, s in zip(params, sites)]
+    if placements:
+        mesh_info = _one_mesh(placements, sites, mesh_info)
     device = mesh_info.device
     _move_buffers(buffers, device)
     group = None
     if params:
-        sharded = [
-            ShardedParam(p, s, mesh_info, _shard_dim(shard_placement_fn, p, s)) for p, s in zip(params, sites)
-        ]
+        sharded = [ShardedParam(p, s, mesh_info, dim) for p, s, (dim, _) in zip(params, sites, placements)]
         group = ParamGroup(sharded, params, mesh_info, device, mp_policy, offload_policy)
         if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
             group.post_forward = post_forward_group(mesh_info, reshard_after_forward)
@@ -117,7 +119,7 @@ def _check_modules(module: object, api: str) -> list[nn.Module]:
     for m in modules:
         if not isinstance(m, nn.Module):
             raise ValueError(f"{api} expects an nn.Module or a list of them, got {type(m).__name__}: {m!r}")
-        if type(m).forward is nn.Module.forward:
+        if not implements_forward(m):
             raise ValueError(
                 f"{api} does not support {type(m).__name__}: it implements no forward() (a container); "
                 f"apply it to each child module (for layer in model.layers: {api}(layer)) or to the parent"
@@ -214,21 +216,62 @@ def _managed_tensors(modules: list[nn.Module], ignored: set) -> tuple[list, list
     return params, [sites[id(p)] for p in params], buffers
 
 
-def _shard_dim(fn: Callable | None, param: nn.Parameter, sites: list[ParamSite]) -> int:
-    if fn is None:
-        return 0
-    placement = fn(param)
-    if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
+def _placement(fn: Callable | None, param: nn.Parameter, sites: list[ParamSite], default: MeshInfo):
+    """``(shard dim, MeshInfo)`` of one param: what ``shard_placement_fn`` says, as torch reads it.
+
+    The function may return None (``Shard(0)`` on the call's mesh), a ``Shard``, or torch's
+    ``ShardPlacementResult`` (a placement plus a per-parameter ``FSDPMeshInfo``), read by
+    its fields (``placement``, ``mesh_info.mesh``/``shard_mesh_dim``/``replicate_mesh_dim``).
+    """
+    result = None if fn is None else fn(param)
+    mesh_info = default
+    if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):
+        mesh_info = _read_mesh_info(result.mesh_info, sites)
+        result = result.placement
+    if result is None:
+        return 0, mesh_info
+    if not isinstance(result, Shard):
         raise ValueError(
-            f"shard_placement_fn must return a torch.distributed.tensor.Shard or None, got {placement!r} "
-            f"for parameter {sites[0].name!r} of {type(sites[0].module).__name__}"
+            "shard_placement_fn must return a torch.distributed.tensor.Shard, a ShardPlacementResult or None, "
+            f"got {result!r} for parameter {sites[0].name!r} of {type(sites[0].module).__name__}"
         )
-    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    dim = result.dim + param.dim() if result.dim < 0 else result.dim
     if not 0 <= dim < param.dim():
-        raise ValueError(f"shard_placement_fn returned {placement} for a {param.dim()}-d parameter {sites[0].name!r}")
-    return dim
+        raise ValueError(f"shard_placement_fn returned {result} for a {param.dim()}-d parameter {sites[0].name!r}")
+    return dim, mesh_info
+
+
+def _read_mesh_info(info: object, sites: list[ParamSite]) -> MeshInfo:
+    mesh = getattr(info, "mesh", None)
+    if not isinstance(mesh, DeviceMesh) or getattr(info, "shard_mesh_dim", None) is None:
+        raise ValueError(
+            f"shard_placement_fn returned a ShardPlacementResult for {sites[0].name!r} whose mesh_info {info!r} "
+            "has no DeviceMesh with a shard_mesh_dim; pass FSDPMeshInfo(mesh=..., shard_mesh_dim=...)"
+        )
+    if getattr(info, "dp_mesh_dims", None) is not None:
+        raise NotImplementedError("a per-parameter mesh with dp_mesh_dims (an SPMD mesh) is not supported yet")
+    return MeshInfo(mesh, shard_mesh_dim=info.shard_mesh_dim, replicate_mesh_dim=getattr(info, "replicate_mesh_dim", None))
+
+
+def _one_mesh(placements: list[tuple[int, MeshInfo]], sites: list[list[ParamSite]], default: MeshInfo) -> MeshInfo:
+    """The mesh the call's group communicates over: the one every param resolved to.
+
+    torch makes one group per distinct mesh within a call; shardwise has one group per
+    call, so params on different meshes must go through separate calls for now.
+    """
+    meshes = {(info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim): info for _, info in placements}
+    if len(meshes) == 1:
+        info = next(iter(meshes.values()))
+        same = (info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim)
+        return default if same == (default.mesh, default.shard_mesh_dim, default.replicate_mesh_dim) else info
+    by_mesh = {}
+    for (_, info), s in zip(placements, sites):
+        by_mesh.setdefault(str(info.mesh), []).append(s[0].fqn or s[0].name)
+    raise NotImplementedError(
+        f"shard_placement_fn put the parameters of one fully_shard call on {len(meshes)} meshes ({by_mesh}); "
+        "shardwise supports one mesh per call: apply fully_shard to the submodule whose parameters use "
+        "the other mesh first (e.g. fully_shard(block.moe.experts, shard_placement_fn=...)), then to the block"
+    )
 
 
 def _move_buffers(buffers: list, device: torch.device) -> None:

@@ -4,8 +4,10 @@ One unshard is one all-gather for the whole group; one synced backward is one
 reduce-scatter (plus one all-reduce over the replicate dim for HSDP). The group owns:
 
 * the **all-gather**: every param's padded shard (each its own tensor, see param.py) is
-  copied into our rank's slot of the ``(N*P,)`` output, cast and moved on the way, and
-  gathered in place, as FSDP2 does;
+  copied into its segment of our rank's slot of the ``(N*P,)`` output, cast and moved on
+  the way, and gathered in place, as FSDP2 does. Where each segment lies is the group's
+  :class:`~shardwise.layout.FlatLayout` (params widest itemsize first, as bytes, when a
+  frozen low-precision base sits next to trainable fp32 adapters);
 * the **unsharded** buffer ``(N*P,)`` holding every param's gathered rows; unsharded params
   alias it (with one shard and nothing to cast they alias the padded shards themselves).
   Resharding frees its storage but keeps the tensor objects, so views autograd saved stay
@@ -27,6 +29,7 @@ import enum
 import torch
 
 from shardwise import collectives, tracing
+from shardwise.layout import FlatLayout
 from shardwise.mesh import MeshInfo, PostForwardGroup
 from shardwise.param import ShardedParam, ShardedState
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -63,10 +66,11 @@ class ParamGroup:
     sharded_state: ShardedState
     reducer: GradReducer
     post_forward: PostForwardGroup | None  # set for reshard_after_forward=int
-    _offsets: list[int]  # start of each param's padded shard in a rank's (P,) all-gather slot
+    _layout: FlatLayout  # where each param's padded shard lies in a rank's (P,) all-gather row
+    _params_replaced: bool  # module._apply / load_state_dict(assign=True) replaced params: adopt lazily
     _unsharded_flat: torch.Tensor | None  # (N*P,) in param dtype; storage empty while sharded
     _aliased: bool  # shard size 1, nothing to cast or move: segments are the padded shards
-    _segments: list[torch.Tensor]  # per param (N*pn,) views into _unsharded_flat (or its padded shard)
+    _segments: list[torch.Tensor]  # per param (N*width,) views into _unsharded_flat, in gather units
     _post_forward_shard: torch.Tensor | None  # (N/k*P,) our block's share, between fwd and bwd
 
     def __init__(
@@ -102,13 +106,8 @@ class ParamGroup:
         self.post_optim_event = None
         self.allocate_from_process_group = False  # NCCL zero-copy staging; a no-op on gloo
         self.symm_mem = False  # NCCL symmetric-memory staging
-        self._offsets = []
-        offset = 0
-        for p in params:
-            self._offsets.append(offset)
-            offset += p.padded_numel
-        self._total_numel = offset
-        self._check_one_dtype([o.dtype for o in originals])
+        self._params_replaced = False
+        self._lay_out([o.dtype for o in originals])
         for p, original in zip(params, originals):
             p.init_sharded_param(p.local_chunk(original), self._storage_device(), self.pin_memory)
         self.reducer = GradReducer(self)
@@ -121,27 +120,62 @@ class ParamGroup:
 
     # ---- the sharded params -----------------------------------------------------------
 
-    def _check_one_dtype(self, dtypes: list[torch.dtype]) -> None:
-        if len(set(dtypes)) > 1:
-            names = ", ".join(f"{p.fqn}: {dtype}" for p, dtype in zip(self.params, dtypes))
-            raise NotImplementedError(
-                f"fully_shard needs one dtype per group, got {names}; call fully_shard separately on the "
-                "submodules whose parameters differ in dtype, or cast the module first"
-            )
+    def _lay_out(self, dtypes: list[torch.dtype]) -> None:
+        """Place the params in the all-gather row (:class:`~shardwise.layout.FlatLayout`);
+        torch's rule: only the trainable params must share one dtype."""
+        layout = FlatLayout.build([p.padded_numel for p in self.params], dtypes)
+        layout.check_trainable_uniform([p.fqn for p in self.params], [p.requires_grad for p in self.params])
+        self._layout = layout
 
     def _storage_device(self) -> torch.device:
         return torch.device("cpu") if self.offload else self.device
 
     def reset_sharded_params(self) -> None:
-        """Adopt what the modules hold now as the sharded params: after ``module._apply``
-        (``.to(dtype)``, ``to_empty``: same objects, new data) or ``load_state_dict(assign=True)``
-        (new objects, which become the params as in FSDP2). See :meth:`ShardedParam.adopt`.
-        The unsharded buffers are dropped and rebuilt, in the new dtype, at the next unshard."""
+        """The modules hold new data for our params: after ``module._apply`` (``.to(dtype)``,
+        ``to_empty``: same objects, new local tensors) or ``load_state_dict(assign=True)``
+        (new objects, which become the params as in FSDP2).
+
+        Nothing is adopted here: ``_apply`` on a parent (and a parent's load) visits a
+        grouped call's members one at a time (``fully_shard([norm, output])``), so when the
+        first member is converted the others are still on meta, in the old dtype or not yet
+        loaded. The params are adopted on the group's next use (unshard, or any read of
+        :attr:`layout`), after the user's weight init, once every member is converted.
+        """
         self.reshard()
-        for p in self.params:
-            p.adopt(p.sites[0].module._parameters[p.sites[0].name], self._storage_device(), self.pin_memory)
+        for p, param in zip(self.params, self._registered_params()):
+            p.check_adoptable(param)  # a wrong layout is refused by the load that assigned it
+        self._params_replaced = True
+
+    def _registered_params(self) -> list[torch.Tensor]:
+        """What the modules hold now under each param's (first) name."""
+        return [p.sites[0].module._parameters[p.sites[0].name] for p in self.params]
+
+    @property
+    def layout(self) -> FlatLayout:
+        """Where each param's padded shard lies in the all-gather row; adopts replaced
+        params first (see :meth:`reset_sharded_params`)."""
+        if self._params_replaced:
+            self._adopt_registered_params()
+        return self._layout
+
+    def _adopt_registered_params(self) -> None:
+        """Adopt what the modules hold now as the sharded params (:meth:`ShardedParam.adopt`),
+        lay them out again in their (maybe new) dtypes and drop the unsharded buffers, which
+        the next unshard rebuilds."""
+        self._params_replaced = False
+        held = self._registered_params()
+        on_meta = [p.fqn for p, t in zip(self.params, held) if t.is_meta]
+        if on_meta and len(on_meta) < len(held):
+            self._params_replaced = True  # still pending: the error must repeat, not pass next time
+            raise RuntimeError(
+                f"{self.fqn or 'a fully_shard group'}: parameters {on_meta} are still on the meta device while "
+                "the rest of their group was materialized; call to_empty(device=...) on a module containing "
+                "every module of the group (e.g. the root)"
+            )
+        for p, param in zip(self.params, held):
+            p.adopt(param, self._storage_device(), self.pin_memory)
             p.unsharded_param = None
-        self._check_one_dtype([p.sharded_param.dtype for p in self.params])
+        self._lay_out([p.sharded_param.dtype for p in self.params])
         self._unsharded_flat = None
         self._aliased = False
         self._segments = []
@@ -154,7 +188,7 @@ class ParamGroup:
 
     @property
     def param_dtype(self) -> torch.dtype:
-        return self.mp_policy.param_dtype or self.params[0].padded_shard.dtype
+        return self.mp_policy.param_dtype or self.layout.storage_dtype
 
     @property
     def is_unsharded(self) -> bool:
@@ -171,12 +205,9 @@ class ParamGroup:
     def _aliases_shard(self) -> bool:
         """One shard of the whole params (world size 1, replicate) needing no cast or device
         copy: the unsharded params alias the padded shards, and nothing is copied or freed."""
-        shard = self.params[0].padded_shard
-        return (
-            self.mesh_info.shard_size == 1
-            and shard.dtype == self.param_dtype
-            and shard.device == self.device
-            and all(p.shard_dim == 0 for p in self.params)
+        return self.mesh_info.shard_size == 1 and all(
+            p.padded_shard.dtype == self.param_dtype and p.padded_shard.device == self.device and p.shard_dim == 0
+            for p in self.params
         )
 
     def _ensure_unsharded_buffer(self) -> None:
@@ -189,13 +220,23 @@ class ParamGroup:
             self._unsharded_flat = None
             self._segments = [p.padded_shard.view(-1) for p in self.params]
         else:
-            self._unsharded_flat = torch.empty(n * self._total_numel, dtype=self.param_dtype, device=self.device)
-            sizes = [p.gathered_numel() for p in self.params]
-            self._segments = list(self._unsharded_flat.split(sizes))
-        for p, segment in zip(self.params, self._segments):
-            p.init_unsharded_param(segment)
+            widths = self._gather_widths()
+            self._unsharded_flat = torch.empty(n * sum(widths), dtype=self.param_dtype, device=self.device)
+            pieces = self._unsharded_flat.split(self._in_gather_order([n * w for w in widths]))
+            self._segments = [None] * len(self.params)
+            for i, piece in zip(self._layout.order, pieces):
+                self._segments[i] = piece
+        for i, (p, segment) in enumerate(zip(self.params, self._segments)):
+            p.init_unsharded_param(self._layout.as_param(segment, i))
         if self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
+
+    def _gather_widths(self) -> tuple[int, ...]:
+        """Each param's length in one rank's all-gather row (param_dtype units)."""
+        return self.layout.gather_widths(self.param_dtype)
+
+    def _in_gather_order(self, per_param: list) -> list:
+        return [per_param[i] for i in self._layout.order]
 
     def _allocate_unsharded_storage(self) -> None:
         """Give the unsharded buffer its bytes — as late as possible: at copy-out, so an
@@ -207,15 +248,17 @@ class ParamGroup:
     def _gather_io(self) -> tuple[torch.Tensor, torch.Tensor, object, int]:
         """(output, input, process group, ranks) of the next all-gather. From the full shards:
         every param's padded shard is copied (cast to ``param_dtype``, moved to the device)
-        into our rank's slot of the output, which is the input (gathered in place, as FSDP2
-        does). After an int reshard: from the post-forward shard, over the block of k ranks."""
+        into its layout segment of our rank's slot of the output, which is the input
+        (gathered in place, as FSDP2 does). After an int reshard: from the post-forward
+        shard, over the block of k ranks."""
         if self._post_forward_shard is not None:
             pf = self.post_forward
             return self._gather_output(pf.size), self._post_forward_shard, pf.group, pf.size
         n = self.mesh_info.shard_size
         gathered = self._gather_output(n)
         slot = gathered.view(n, -1)[self.mesh_info.shard_rank]  # (P,)
-        collectives.copy_in(slot, [p.padded_shard for p in self.params])
+        shards = self._in_gather_order([p.padded_shard for p in self.params])
+        collectives.copy_in(slot, shards, self._in_gather_order(list(self._gather_widths())))
         return gathered, slot, self.mesh_info.shard_group, n
 
     def unshard(self, async_op: bool = False) -> None:
@@ -229,6 +272,8 @@ class ParamGroup:
             self.reshard()
         if self.is_unsharded or self._pending_gather is not None:
             return
+        if self._params_replaced:  # module._apply or an assigning load replaced them
+            self._adopt_registered_params()
         if any(p.padded_shard.is_meta for p in self.params):
             names = [p.fqn for p in self.params if p.padded_shard.is_meta]
             raise RuntimeError(
@@ -295,13 +340,14 @@ class ParamGroup:
         if pending.gathered is not self._segments[0]:
             self._allocate_unsharded_storage()
             n = pending.num_shards
-            sizes = [p.gathered_numel() // n for p in self.params]
-            collectives.copy_out(pending.gathered, n, sizes, self._segments)
+            rows = self.mesh_info.shard_size // n  # N/k rows of each param per rank after an int reshard
+            sizes = self._in_gather_order([rows * w for w in self._gather_widths()])
+            collectives.copy_out(pending.gathered, n, sizes, self._in_gather_order(self._segments))
         for buffer in pending.scratch:
             collectives.free_storage(buffer)
         self._post_forward_shard = None
-        for p, segment in zip(self.params, self._segments):
-            p.finish_copy_out(segment)
+        for i, (p, segment) in enumerate(zip(self.params, self._segments)):
+            p.finish_copy_out(self._layout.as_param(segment, i))
         self._register_unsharded()
 
     def _register_unsharded(self) -> None:
@@ -340,7 +386,7 @@ class ParamGroup:
             self.reshard()
             return
         k, j = self.post_forward.size, self.post_forward.rank
-        pieces = [segment.view(k, -1)[j] for segment in self._segments]  # each (N/k*pn,)
+        pieces = [segment.view(k, -1)[j] for segment in self._in_gather_order(self._segments)]  # each (N/k*w,)
         self._post_forward_shard = torch.cat(pieces)  # (N/k*P,)
         self._free_unsharded()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD

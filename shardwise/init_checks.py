@@ -9,7 +9,8 @@
 * :func:`check_ranks_agree`: ranks that built different models would issue collectives
   of different sizes and hang or corrupt data. Every rank publishes its parameter
   shapes/dtypes in the c10d store (no collective) and compares with the others; a rank
-  that never arrives is a timeout error naming it, not a hang.
+  that never arrives is a timeout error naming it, not a hang. Keys are counted per rank
+  in the store, so ranks that are threads of one process (the "threaded" backend) agree.
 """
 
 from __future__ import annotations
@@ -18,29 +19,42 @@ import datetime
 import os
 import pickle
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-if TYPE_CHECKING:  # imports for annotations only; state.py imports this module
-    from shardwise.param import ShardedParam
-    from shardwise.state import ModuleState
+from shardwise.mesh import MeshInfo
+from shardwise.param import ShardedParam
+
+
+class _CheckedGroup(Protocol):
+    fqn: str
+    params: list[ShardedParam]
+
+
+class CheckedState(Protocol):
+    """What the checks read from a ``state.ModuleState`` (declared here, below state.py,
+    so imports flow one way)."""
+
+    modules: tuple[nn.Module, ...]
+    fqn: str
+    group: _CheckedGroup | None
+    mesh_info: MeshInfo
 
 # Keyed by identity (tensors' __eq__ is elementwise) and weak, so freed params drop out.
 _CLAIMS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
-_CHECK_ROUND = [0]
 
 
-def claim_original_param(param: nn.Parameter, sharded: "ShardedParam") -> "weakref.ref | None":
+def claim_original_param(param: nn.Parameter, sharded: ShardedParam) -> "weakref.ref | None":
     """Record that ``sharded`` now manages ``param``; return the earlier claimant, if any."""
     earlier = _CLAIMS.get(param)
     _CLAIMS[param] = weakref.ref(sharded)
     return earlier
 
 
-def assign_fqns(root: nn.Module, states: list["ModuleState"]) -> None:
+def assign_fqns(root: nn.Module, states: list[CheckedState]) -> None:
     names = {id(module): name for name, module in root.named_modules()}
     for state in states:
         state.fqn = ", ".join(names.get(id(m), type(m).__name__) for m in state.modules)
@@ -52,22 +66,22 @@ def assign_fqns(root: nn.Module, states: list["ModuleState"]) -> None:
             p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
 
 
-def check_no_param_in_two_groups(states: list["ModuleState"]) -> None:
+def check_no_param_in_two_groups(states: list[CheckedState]) -> None:
     for state in states:
         if state.group is None:
             continue
         for p in state.group.params:
             other = p.shared_with() if p.shared_with is not None else None
             if other is not None:
-                raise ValueError(
-                    f"parameter {p.fqn!r} is the same nn.Parameter as {other.fqn!r}, which an earlier "
-                    "fully_shard call already manages; a parameter can belong to only one fully_shard "
-                    "group: apply fully_shard to a common ancestor of both modules, or group them with "
-                    "fully_shard([module_a, module_b])"
+                raise ValueError(  # torch's phrase first: users' tests match on it
+                    f"parameter {p.fqn!r} is shared with a parameter already managed by another "
+                    f"fully_shard group: it is the same nn.Parameter as {other.fqn!r}, and a parameter "
+                    "can belong to only one group; apply fully_shard to a common ancestor of both "
+                    "modules, or group them with fully_shard([module_a, module_b])"
                 )
 
 
-def _signature(states: list["ModuleState"]) -> list[tuple]:
+def _signature(states: list[CheckedState]) -> list[tuple]:
     rows = []
     for state in states:
         if state.group is None:
@@ -77,14 +91,13 @@ def _signature(states: list["ModuleState"]) -> list[tuple]:
     return rows
 
 
-def check_ranks_agree(states: list["ModuleState"]) -> None:
+def check_ranks_agree(states: list[CheckedState]) -> None:
     """Compare parameter names, shapes and dtypes across the root mesh's ranks via the store."""
     ranks = states[0].mesh_info.mesh.mesh.flatten().tolist()
     if len(ranks) == 1:
         return
     store = dist.distributed_c10d._get_default_store()
-    _CHECK_ROUND[0] += 1
-    prefix = f"shardwise/init/{_CHECK_ROUND[0]}/{'-'.join(map(str, ranks))}"
+    prefix = f"shardwise/init/{_check_round(store, ranks)}/{'-'.join(map(str, ranks))}"
     mine = _signature(states)
     store.set(f"{prefix}/{dist.get_rank()}", pickle.dumps(mine))
     keys = [f"{prefix}/{r}" for r in ranks]
@@ -99,6 +112,19 @@ def check_ranks_agree(states: list["ModuleState"]) -> None:
         ) from err
     for rank, key in zip(ranks, keys):
         _compare(mine, pickle.loads(store.get(key)), rank)
+
+
+def _check_round(store: dist.Store, ranks: list[int]) -> int:
+    """How many checks over ``ranks`` this rank has started, counted in the store itself.
+
+    Every rank of the mesh runs the same sequence of checks, so the n-th check of each
+    rank meets the others' n-th under the same keys. The count is per rank, not per
+    process: with ``init_process_group("threaded")`` the ranks are threads of one process,
+    and a process-wide counter would give each thread a different round (and a hang).
+    Kept in the store, it starts afresh with each new store (a new process group).
+    """
+    key = f"shardwise/init/rounds/{'-'.join(map(str, ranks))}/{dist.get_rank()}"
+    return store.add(key, 1)
 
 
 def _compare(mine: list[tuple], theirs: list[tuple], rank: int) -> None:

@@ -219,16 +219,14 @@ class FSDPModule:
         """Replace the all-gather: ``comm.allocate(size, dtype=, device=)`` makes the output and
         ``comm(output, input, group, async_op)`` runs it."""
         _check_comm(comm, AllGather, "set_custom_all_gather")
-        for group in self._groups():
-            _check_no_pg_allocation(group, "set_custom_all_gather")
+        for group in self._groups():  # overrides process-group allocation, as torch's does
             group.all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Replace the reduce-scatter: ``comm.allocate(...)`` makes the output and
         ``comm(output, input, group, op, async_op)`` runs it (op is always SUM)."""
         _check_comm(comm, ReduceScatter, "set_custom_reduce_scatter")
-        for group in self._groups():
-            _check_no_pg_allocation(group, "set_custom_reduce_scatter")
+        for group in self._groups():  # overrides process-group allocation, as torch's does
             group.reducer.reduce_scatter_comm = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
@@ -244,22 +242,22 @@ class FSDPModule:
     def set_post_optim_event(self, event: Any) -> None:
         """The event the next all-gather waits on (recorded after the optimizer step). On CUDA
         this avoids a false dependency on the whole current stream; on CPU the optimizer step
-        has finished when this returns, so the event is only waited on."""
-        if not hasattr(event, "wait"):
-            raise TypeError(f"set_post_optim_event expects a torch.Event, got {type(event).__name__}")
+        has finished when this returns, so the event is only waited on. ``None`` (what
+        ``current_stream().record_event()`` gives on CPU) means nothing to wait on."""
+        if event is not None and not hasattr(event, "wait"):
+            raise TypeError(f"set_post_optim_event expects a torch.Event or None, got {type(event).__name__}")
         for group in self._groups_of(recurse=True):
             group.post_optim_event = event
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Let the ProcessGroup allocate the staging buffers (NCCL zero-copy). On gloo there is no
-        such allocator: the flag is accepted and buffers come from torch as usual."""
+        such allocator: the flag is accepted and buffers come from torch as usual.
+
+        As torch's: a custom all-gather/reduce-scatter set afterwards overrides it; set before,
+        it makes this call raise ``AssertionError``."""
         _check_bool("enable", enable)
         for group in self._groups():
-            if enable and _has_custom_comm(group):
-                raise ValueError(
-                    "set_allocate_memory_from_process_group_for_comm cannot be combined with a custom "
-                    "all-gather/reduce-scatter (set_custom_all_gather / set_custom_reduce_scatter)"
-                )
+            _check_no_custom_comm(group, "set_allocate_memory_from_process_group_for_comm")
             group.allocate_from_process_group = enable
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
@@ -273,8 +271,7 @@ class FSDPModule:
                     f"set_symm_mem_for_comm needs an NCCL process group; {group.fqn or 'this module'} "
                     f"communicates over {dist.get_backend(pg) if pg is not None else 'no group'}"
                 )
-            if _has_custom_comm(group):
-                raise ValueError("set_symm_mem_for_comm cannot be combined with a custom all-gather/reduce-scatter")
+            _check_no_custom_comm(group, "set_symm_mem_for_comm")
             group.symm_mem = True
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
@@ -294,7 +291,8 @@ class FSDPModule:
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``.to(dtype)`` / ``to_empty`` swap the sharded DTensor params' data in place
-        # (identity kept); the group then adopts the new data as its padded shards.
+        # (identity kept); the group adopts the new data as its padded shards on its next
+        # use, once every member of a grouped call is converted (see reset_sharded_params).
         groups = self._groups()
         for group in groups:
             group.reshard()
@@ -336,11 +334,16 @@ def _has_custom_comm(group: ParamGroup) -> bool:
     )
 
 
-def _check_no_pg_allocation(group: ParamGroup, setter: str) -> None:
-    if group.allocate_from_process_group or group.symm_mem:
-        raise ValueError(
-            f"{setter} cannot be combined with set_allocate_memory_from_process_group_for_comm(True) "
-            "or set_symm_mem_for_comm(); turn those off first"
+def _check_no_custom_comm(group: ParamGroup, setter: str) -> None:
+    """torch raises ``AssertionError`` here (its phrase: "when ... comm is custom")."""
+    if _has_custom_comm(group):
+        comm = group.all_gather_comm
+        if isinstance(comm, DefaultAllGather):
+            comm = group.reducer.reduce_scatter_comm
+        raise AssertionError(
+            f"cannot call {setter}() when all gather or reduce scatter comm is custom: "
+            f"{type(comm).__name__} on {group.fqn or 'this module'}; call {setter} before "
+            "set_custom_all_gather / set_custom_reduce_scatter (the custom comm then overrides it)"
         )
 
 
@@ -369,9 +372,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._pre_forward_hook(module, args, kwargs)
+        args, kwargs = state.pre_forward_hook(module, args, kwargs)
         output = method(*args, **kwargs)
-        return state._post_forward_hook(module, args, kwargs, output)
+        return state.post_forward_hook(module, args, kwargs, output)
 
     setattr(module, method_name, wrapped)
 

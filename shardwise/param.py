@@ -103,6 +103,7 @@ class ShardedParam:
         self.num_shards = mesh_info.shard_size
         self._init_shape(local, mesh_info.shard_rank)
         self._spmd_mesh, self._placements = spmd_layout(mesh_info, self.tp_spec, shard_dim, sites[0].name)
+        self._grad_dp_dims = _dp_dims_of(mesh_info, self.tp_spec)
         self.unsharded_param = None
         self._own_unsharded: torch.Tensor | None = None  # Shard(d != 0) only: (D0, *rest)
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # (D0, *rest) in reduce dtype, sync off
@@ -191,7 +192,7 @@ class ShardedParam:
         zero-padded shard. The parameter is registered on every site (tied weights again
         share the first site's). Raises when ``param`` is not a DTensor laid out like ours.
         """
-        self._check_adoptable(param)
+        self.check_adoptable(param)
         local = param._local_tensor
         if self._owns_padded_storage(local, device, pin_memory):
             padded = local.new_empty(0).set_(local.untyped_storage(), 0, self._padded_shape)
@@ -214,7 +215,9 @@ class ShardedParam:
             and (not pin_memory or local.is_pinned())
         )
 
-    def _check_adoptable(self, param: torch.Tensor) -> None:
+    def check_adoptable(self, param: torch.Tensor) -> None:
+        """Raise, naming the parameter, unless ``param`` is a DTensor laid out as ours (mesh,
+        placements, global and local shape): what :meth:`adopt` can take as this param."""
         where = f"parameter {self.fqn!r} (managed by fully_shard)"
         if not isinstance(param, DTensor):
             raise ValueError(
@@ -302,11 +305,22 @@ class ShardedParam:
         self.sharded_state = ShardedState.UNSHARDED
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The unsharded gradient as a plain tensor (a TP param's grad in its TP placements)."""
+        """The unsharded gradient as a plain tensor (a TP param's grad in its TP placements).
+
+        Only the non-data-parallel dims are redistributed. A param on the full SPMD mesh
+        (``dp_mesh_dims``) whose batch is sharded over dp gets a ``Partial()`` grad there:
+        that partial sum is what our reduce-scatter sums, exactly once (redistributing it to
+        the param's ``Replicate()`` first would all-reduce it and double the sum).
+        """
         if not isinstance(grad, DTensor):
             return grad
-        if self.tp_spec is not None and grad.placements != self.tp_spec.placements:
-            grad = grad.redistribute(placements=self.tp_spec.placements)
+        if self.tp_spec is not None:
+            target = tuple(
+                grad.placements[i] if i in self._grad_dp_dims else placement
+                for i, placement in enumerate(self.tp_spec.placements)
+            )
+            if grad.placements != target:
+                grad = grad.redistribute(placements=target)
         return grad.to_local()
 
     def grad_as_chunks(self, grad: torch.Tensor) -> torch.Tensor:
@@ -367,6 +381,16 @@ def spmd_layout(mesh_info: MeshInfo, param_spec: DTensorSpec | None, shard_dim: 
     tp = list(zip(names, param_spec.mesh.shape, param_spec.placements))
     spmd_mesh = dp_mesh._get_root_mesh()[dp_names + names]
     return spmd_mesh, _dp_placements(mesh_info, _dp_shard(shard_dim, tp)) + tuple(param_spec.placements)
+
+
+def _dp_dims_of(mesh_info: MeshInfo, param_spec: DTensorSpec | None) -> frozenset[int]:
+    """The dims of a DTensor param's own mesh that are data-parallel dims (params on the
+    full SPMD mesh); empty for plain params and TP params on a separate TP mesh."""
+    if param_spec is None:
+        return frozenset()
+    dp_names = set(mesh_info.mesh.mesh_dim_names or ())
+    names = param_spec.mesh.mesh_dim_names or ()
+    return frozenset(i for i, name in enumerate(names) if name in dp_names)
 
 
 def _dp_shard(shard_dim: int, tp: list[tuple]) -> Shard:

@@ -26,10 +26,23 @@ The invariants, kept by :class:`ForwardPrefetcher`:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from shardwise.state import ModuleState
+
+class _Gatherable(Protocol):
+    @property
+    def gathered_or_gathering(self) -> bool: ...
+
+    def reshard(self) -> None: ...
+
+
+class PrefetchTarget(Protocol):
+    """What the prefetcher needs of a ``state.ModuleState`` (declared here, below
+    state.py, so imports flow one way)."""
+
+    group: _Gatherable | None
+
+    def prefetch(self, in_backward: bool = False) -> None: ...
 
 DEPTH = 2
 """How many modules ahead the implicit forward prefetch gathers."""
@@ -39,9 +52,9 @@ class ForwardPrefetcher:
     """The root's forward order, recorded each forward and followed in the next."""
 
     active: bool  # inside the root's forward
-    _order: list["ModuleState"]  # states with params, in the order this forward entered them
-    _next: dict[int, "ModuleState"]  # id(state) -> who entered after it in the last forward
-    _prefetched: list["ModuleState"]  # what this forward prefetched implicitly
+    _order: list[PrefetchTarget]  # states with params, in the order this forward entered them
+    _next: dict[int, PrefetchTarget]  # id(state) -> who entered after it in the last forward
+    _prefetched: list[PrefetchTarget]  # what this forward prefetched implicitly
 
     def __init__(self) -> None:
         self.active = False
@@ -57,12 +70,12 @@ class ForwardPrefetcher:
         self._prefetched = []
         self.active = True
 
-    def enter(self, state: "ModuleState") -> None:
+    def enter(self, state: PrefetchTarget) -> None:
         """``state`` entered forward (its first member, once per pass)."""
         if self.active and state.group is not None:
             self._order.append(state)
 
-    def prefetch_after(self, state: "ModuleState") -> None:
+    def prefetch_after(self, state: PrefetchTarget) -> None:
         """Start the all-gathers of the :data:`DEPTH` states that followed ``state`` last time."""
         if not self.active:
             return

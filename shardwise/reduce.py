@@ -19,18 +19,31 @@ shard accumulates locally and the all-reduce waits for the next backward that al
 from __future__ import annotations
 
 import dataclasses
+import enum
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from shardwise import collectives, tracing
 from shardwise.buffers import ReusableBuffer
+from shardwise.mesh import MeshInfo
 from shardwise.param import ShardedParam
+from shardwise.policies import MixedPrecisionPolicy
 
-if TYPE_CHECKING:  # the group owns its reducer; the reducer only points back weakly
-    from shardwise.group import ParamGroup
+
+class ReducingGroup(Protocol):
+    """What a reducer reads from the group that owns it (``group.ParamGroup``). Declared
+    here, below group.py, so imports flow one way: the group owns its reducer, the
+    reducer only points back weakly and knows the group by this shape."""
+
+    params: list[ShardedParam]
+    mesh_info: MeshInfo
+    mp_policy: MixedPrecisionPolicy
+    device: torch.device
+    fqn: str
+    training_state: enum.Enum  # group.TrainingState
 
 
 @dataclasses.dataclass
@@ -60,7 +73,7 @@ class GradReducer:
     _partial: _PendingReduce | None  # HSDP shard reduced but not yet all-reduced
     _grad_buffer: ReusableBuffer  # shard size 1: the buffer the gradients live in
 
-    def __init__(self, group: "ParamGroup"):
+    def __init__(self, group: ReducingGroup):
         self._group_ref = weakref.ref(group)
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -76,7 +89,7 @@ class GradReducer:
         self._grad_buffer = ReusableBuffer()
 
     @property
-    def group(self) -> "ParamGroup":
+    def group(self) -> ReducingGroup:
         return self._group_ref()
 
     def _reduce_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
@@ -140,7 +153,7 @@ class GradReducer:
             if grad is None and acc is None:
                 if not (self.reduce_scatter_unused_params and p.requires_grad):
                     continue
-                dtype = self._reduce_dtype(self.group.param_dtype)
+                dtype = self._reduce_dtype(p.sharded_param.dtype)
                 grad = torch.zeros(p.unsharded_size, dtype=dtype, device=self.group.device)
             if unsharded is not None:
                 unsharded.grad = None
@@ -157,8 +170,10 @@ class GradReducer:
         mesh_info = group.mesh_info
         n = mesh_info.shard_size
         dtype = self._reduce_dtype(grads[0].dtype)
-        plan = collectives.plan_reduction(dtype, n * mesh_info.replicate_size, self.divide_factor, n)
+        plan = collectives.plan_reduction(dtype, n * mesh_info.replicate_size, self.divide_factor, n, self.force_sum)
         packed = self._pack(params, grads, dtype, plan.pre_divide)  # (N, Pg) in reduce_dtype
+        if plan.pre_multiply != 1.0:
+            packed.mul_(plan.pre_multiply)
         tracing.emit("reduce", group.fqn, group.training_state.value)
         if n == 1:
             self._pending = self._start_without_shards(params, packed, plan.post_divide)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -25,6 +25,7 @@ from torch.distributed._composable_state import _State
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise import init_checks, tracing
+from shardwise.dynamo_compat import run_eagerly
 from shardwise.group import ParamGroup, TrainingState
 from shardwise.mesh import MeshInfo
 from shardwise.policies import MixedPrecisionPolicy
@@ -46,6 +47,7 @@ class IterationContext:
     states: list["ModuleState"]  # pre-order from the root
     post_forward_order: list["ModuleState"]  # states in the order their forward finished
     final_callback_queued: bool
+    partial_callback_queued: bool  # a standalone (chunked-loss) backward's callback
     reducing: ParamGroup | None  # the group whose reduction was issued last
     forward_prefetcher: ForwardPrefetcher  # implicit forward prefetch (CPU devices)
 
@@ -57,6 +59,7 @@ class IterationContext:
         self.states = states
         self.post_forward_order = []
         self.final_callback_queued = False
+        self.partial_callback_queued = False
         self.reducing = None
         self.is_last_backward = True
         self.iter_root = None
@@ -66,12 +69,27 @@ class IterationContext:
         """Queue the end-of-backward callback, from the root or the iteration's first module.
 
         A standalone call of a non-root module after the root's forward (a chunked loss head)
-        backpropagates without ending the iteration: its reduction waits for the root's.
+        backpropagates without ending the iteration; at the end of that backward only the
+        reductions it issued are finished, so its ``.grad`` is set and grows per chunk, as
+        torch's.
         """
-        if self.final_callback_queued or not (state.is_root or state is self.iter_root):
+        if self.final_callback_queued:
             return
-        self.final_callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+        engine = torch.autograd.Variable._execution_engine
+        if state.is_root or state is self.iter_root:
+            self.final_callback_queued = True
+            engine.queue_callback(self._final_callback)
+        elif not self.partial_callback_queued:
+            self.partial_callback_queued = True
+            engine.queue_callback(self._partial_callback)
+
+    def _partial_callback(self) -> None:
+        """End of a standalone module's backward: finish the reductions it left in flight."""
+        self.partial_callback_queued = False
+        for state in self.states:
+            if state.group is not None and state.group.training_state == TrainingState.POST_BACKWARD:
+                state.group.finish_reduce()
+        self.reducing = None
 
     def _final_callback(self) -> None:
         """End of the iteration's backward: reduce what no trigger reached (the root, whose
@@ -132,6 +150,8 @@ class ModuleState(_State):
     ctx: IterationContext | None
     forward_prefetch: list["ModuleState"] | None  # None: implicit on CPU (next in forward order)
     backward_prefetch: list["ModuleState"] | None  # None: implicit (reverse forward order)
+    pre_forward_hook: Callable  # _pre_forward_hook, never traced by torch.compile (dynamo_compat)
+    post_forward_hook: Callable  # _post_forward_hook, likewise
 
     def __init__(self, modules, group, mesh_info, device, mp_policy, reshard_after_forward):
         super().__init__()
@@ -150,9 +170,12 @@ class ModuleState(_State):
         self.unshard_async_op = False  # torch's _set_unshard_async_op; shardwise is always async inside
         self._post_forward_indices: list[int] = []
         self._members_to_run: set[int] = {id(m) for m in self.modules}  # grouped call: who has not run
+        # The hooks as every caller must use them: never traced by torch.compile (dynamo_compat).
+        self.pre_forward_hook = run_eagerly(self._pre_forward_hook)
+        self.post_forward_hook = run_eagerly(self._post_forward_hook)
         for module in self.modules:
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook, prepend=False, with_kwargs=True)
+            module.register_forward_pre_hook(self.pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward_hook, prepend=False, with_kwargs=True)
 
     def __repr__(self) -> str:
         return f"ModuleState({self.fqn or type(self.modules[0]).__name__!r}, root={self.is_root})"

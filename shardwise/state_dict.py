@@ -13,9 +13,11 @@ training forward, mid-accumulation, with any policy):
 - **Load.** ``load_state_dict()`` reshards the same way first, so a copying load writes
   into the sharded parameters themselves (not into unsharded views the next reshard
   discards). With ``assign=True`` the module afterwards holds new objects: a post-hook
-  makes the group adopt them as its sharded parameters (their local tensors become the
-  shard storage, padded into storage of their own when needed), as FSDP2 does. As there,
-  the parameter objects change: build the optimizer after such a load.
+  checks their layout (a wrong one fails in this load, naming the parameter) and the
+  group adopts them as its sharded parameters on its next use, once every member of a
+  grouped call is loaded (their local tensors become the shard storage, padded into
+  storage of their own when needed), as FSDP2 does. As there, the parameter objects
+  change: build the optimizer after such a load.
   This is how a model sharded on the meta device is loaded (Accelerate's
   ``cpu_ram_efficient_loading``; DCP's ``set_model_state_dict(..., full_state_dict=True,
   broadcast_from_rank0=True)``).
@@ -63,7 +65,8 @@ class _ReshardHook:
 
 
 class _AdoptHook:
-    """``load_state_dict`` post-hook: adopt params that ``assign=True`` replaced."""
+    """``load_state_dict`` post-hook: have the group adopt params that ``assign=True``
+    replaced (checked now, adopted on the group's next use)."""
 
     def __init__(self, ref: weakref.ref):
         self._ref = ref

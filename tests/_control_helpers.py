@@ -186,9 +186,9 @@ def mse(model: nn.Module, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor
 
 
 def _kind(event) -> str:
-    """The logical collective: on gloo shardwise reduce-scatters as an all-to-all plus a local
-    sum (``shardwise.collectives.use_all_to_all_reduce``); neither FSDP issues all-to-alls
-    otherwise, so an all-to-all counts as the reduce-scatter it stands for."""
+    """The logical collective: with ``SHARDWISE_GLOO_REDUCE_SCATTER=all_to_all`` shardwise
+    reduce-scatters on gloo as an all-to-all plus a local sum; neither FSDP issues
+    all-to-alls otherwise, so an all-to-all counts as the reduce-scatter it stands for."""
     return "reduce_scatter" if event.kind == "all_to_all" else event.kind
 
 

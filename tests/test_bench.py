@@ -23,6 +23,8 @@ sys.path.insert(0, str(REPO_ROOT))  # `bench` is a top-level package of the repo
 
 from bench.cases import Case, Settings  # noqa: E402
 from bench.cli import build_parser, main, plan  # noqa: E402
+from bench.compile import format_table as compile_table  # noqa: E402
+from bench.compile import main as compile_main  # noqa: E402
 from bench.memory import _ORIGINAL_RESIZE, PeakMemory  # noqa: E402
 from bench.report import above_floor_ratio  # noqa: E402
 from bench.stats import percentile, spread, worst_rank  # noqa: E402
@@ -114,6 +116,20 @@ def test_quick_plan_is_the_documented_grid():
     assert [c.label for c in cases] == ["small ws4 rs=F fp32", "small ws4 rs=F bf16"]
     cases, _ = plan(build_parser().parse_args(["--models", "none", "--replicate-models", "tiny", "--replicate-peers", "torch"]))
     assert [(c.kind, c.label) for c in cases] == [("torch_replicate", "tiny ws2 vs torch replicate"), ("torch_replicate", "tiny ws4 vs torch replicate")]
+
+
+
+def test_compile_table_puts_counts_side_by_side_with_the_first_step_ratio():
+    def row(graphs, breaks, first_s):
+        return dict(graphs=graphs, breaks=breaks, first_s=first_s, second_s=0.1)
+
+    rows = [("whole", "torch", row(1, 0, 4.0)), ("whole", "shardwise", row(1, 0, 3.0))]
+    lines = compile_table(rows, "aot_eager").splitlines()
+    assert lines[0] == "backend=aot_eager"
+    assert lines[-2].split() == ["whole", "torch", "1", "0", "4.00", "0.100"]
+    assert lines[-1].split() == ["whole", "shardwise", "1", "0", "3.00", "0.100", "0.75"]
+    with pytest.raises(SystemExit, match="unknown recipes"):
+        compile_main(["--recipes", "whole,nope"])
 
 
 # ---------------------------------------------------------------- end to end

@@ -12,10 +12,10 @@ torch's ``fully_shard`` trains a copy of the same model in the same test and mus
 the same counts. The payload of each of our all-gathers (and reductions) is the group's
 padded unsharded size: ``N_ranks * sum(ceil(dim0 / N_ranks) * numel_per_row)`` elements.
 
-On gloo shardwise reduces by default with an all-to-all plus a local sum instead of a
-reduce-scatter (``shardwise.collectives.use_all_to_all_reduce``, faster on gloo); there
-each of our all-to-alls stands for one of torch's reduce-scatters. With
-``SHARDWISE_GLOO_REDUCE_SCATTER=native`` the collectives are exactly torch's.
+By default the collectives are exactly torch's. With
+``SHARDWISE_GLOO_REDUCE_SCATTER=all_to_all`` shardwise reduces on gloo with an all-to-all
+plus a local sum (``shardwise.collectives.use_all_to_all_reduce``, faster on gloo); there
+each of our all-to-alls stands for one of torch's reduce-scatters.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _count_steps(model: nn.Module, opt: torch.optim.Optimizer, vocab_size: int) 
     return steps
 
 
-def _comm_counts(n_layers: int, reshard_after_forward: bool | None, native_reduce: bool):
+def _comm_counts(n_layers: int, reshard_after_forward: bool | None, all_to_all_reduce: bool):
     torch.manual_seed(0)
     dims = dict(vocab_size=32, dim=16, n_layers=n_layers, n_heads=2, max_seq_len=8, ffn_hidden=32)
     base = Transformer(**dims)
@@ -92,8 +92,8 @@ def _comm_counts(n_layers: int, reshard_after_forward: bool | None, native_reduc
     theirs = apply_fully_shard(copy.deepcopy(base), torch_fully_shard, reshard_after_forward=reshard_after_forward)
     ours = apply_fully_shard(base, shardwise.fully_shard, reshard_after_forward=reshard_after_forward)
     saved = os.environ.get(REDUCE_ENV)
-    if native_reduce:
-        os.environ[REDUCE_ENV] = "native"
+    if all_to_all_reduce:
+        os.environ[REDUCE_ENV] = "all_to_all"
     try:
         group = next(ours.parameters()).device_mesh.get_group(0)
         reduction = "all_to_all" if collectives.use_all_to_all_reduce(group) else "reduce_scatter"
@@ -113,18 +113,18 @@ def _comm_counts(n_layers: int, reshard_after_forward: bool | None, native_reduc
 
 
 @pytest.mark.parametrize(
-    "world_size,n_layers,reshard_after_forward,native_reduce",
+    "world_size,n_layers,reshard_after_forward,all_to_all_reduce",
     [(2, 2, None, False), (2, 2, True, False), (2, 2, False, False), (4, 3, None, False), (2, 2, None, True)],
-    ids=["2-2-None", "2-2-True", "2-2-False", "4-3-None", "2-2-None-native_reduce"],
+    ids=["2-2-None", "2-2-True", "2-2-False", "4-3-None", "2-2-None-all_to_all_reduce"],
 )
-def test_collectives_per_step_match_torch(world_size, n_layers, reshard_after_forward, native_reduce):
+def test_collectives_per_step_match_torch(world_size, n_layers, reshard_after_forward, all_to_all_reduce):
     groups = n_layers + 1
     backward_all_gathers = {None: n_layers, True: groups, False: 0}[reshard_after_forward]
     expected_forward = {"all_gather": groups}
-    per_rank = run_on_ranks(_comm_counts, world_size, n_layers, reshard_after_forward, native_reduce, timeout=TIMEOUT)
+    per_rank = run_on_ranks(_comm_counts, world_size, n_layers, reshard_after_forward, all_to_all_reduce, timeout=TIMEOUT)
     for rank, (result, root_bytes, block_bytes, reduction) in enumerate(per_rank):
-        if native_reduce:
-            assert reduction == "reduce_scatter", f"{REDUCE_ENV}=native still reduces with {reduction}"
+        wanted = "all_to_all" if all_to_all_reduce else "reduce_scatter"
+        assert reduction == wanted, f"{REDUCE_ENV}={os.environ.get(REDUCE_ENV)!r}: reduces with {reduction}"
         expected_backward = {reduction: groups}
         if backward_all_gathers:
             expected_backward["all_gather"] = backward_all_gathers

@@ -1,5 +1,8 @@
 """Dtype and device changes after ``fully_shard``: ``module.to(torch.float64)`` and
-``to_empty`` after meta-device init, then re-initialisation.
+``to_empty`` after meta-device init, then re-initialisation; per block, and with
+torchtitan's grouped units (``fully_shard([norm, output])``, and
+``[tok_embeddings, norm, output]`` with tied weights), whose members the root's
+``_apply`` converts one at a time.
 
 The invariant (ARCHITECTURE.md): between iterations every managed parameter is the same
 sharded ``nn.Parameter`` object the optimizer holds; casting changes its data in place,
@@ -66,14 +69,36 @@ def _init_weights(model: nn.Module, seed: int) -> None:
                 nn.init.normal_(p, std=0.3)
 
 
-def _prepare(scenario: str, fully_shard_fn):
-    """The sharded model after the scenario's change, and the optimizer built before it."""
+def _build(layout: str) -> Transformer:
+    model = Transformer(**DIMS)
+    if layout == "tied":
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def _shard(model: Transformer, fully_shard_fn, layout: str) -> Transformer:
+    """One group per block, then the root; torchtitan's layouts group the root's leaves:
+    ``[norm, output]``, or ``[tok_embeddings, norm, output]`` when the weights are tied."""
+    if layout == "per_block":
+        return apply_fully_shard(model, fully_shard_fn)
+    for layer in model.layers:
+        fully_shard_fn(layer)
+    head = [model.norm, model.output]
+    fully_shard_fn(head if layout == "grouped" else [model.tok_embeddings, *head])
+    return fully_shard_fn(model)
+
+
+def _prepare(scenario: str, fully_shard_fn, layout: str = "per_block"):
+    """The sharded model after the scenario's change, and the optimizer built before it.
+
+    ``nn.Module._apply`` on the root visits a group's members one at a time: a grouped
+    layout has members converted while the others are still on meta / in the old dtype."""
     torch.manual_seed(0)
     if scenario == "cast":
-        model = apply_fully_shard(Transformer(**DIMS), fully_shard_fn)
+        model = _shard(_build(layout), fully_shard_fn, layout)
     else:
         with torch.device("meta"):
-            model = apply_fully_shard(Transformer(**DIMS), fully_shard_fn)
+            model = _shard(_build(layout), fully_shard_fn, layout)
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=LR, foreach=True)
     if scenario != "cast":
@@ -99,14 +124,16 @@ def _compare_with_replica(where: str, ours: nn.Module, ref: nn.Module, loss, ref
             torch.testing.assert_close(full, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{where}: {what} {name}: {m}")
 
 
-def _dtype_change(scenario: str) -> dict:
+def _dtype_change(scenario: str, layout: str) -> dict:
     dtype = torch.float32 if scenario == "meta_to_empty" else F64
-    ours, opt = _prepare(scenario, shardwise.fully_shard)
-    theirs, torch_opt = _prepare(scenario, torch_fully_shard)
+    ours, opt = _prepare(scenario, shardwise.fully_shard, layout)
+    theirs, torch_opt = _prepare(scenario, torch_fully_shard, layout)
     _check_dtype("after the change", ours, dtype)
     # The replica: the values each rank's shards hold now (full tensors), in the same dtype.
-    ref = Transformer(**DIMS).to(dtype)
-    ref.load_state_dict({name: p.full_tensor() for name, p in ours.named_parameters()})
+    ref = _build(layout).to(dtype)
+    ref.load_state_dict({name: p.full_tensor() for name, p in ours.named_parameters()}, strict=layout != "tied")
+    if layout == "tied":
+        assert ours.output.weight is ours.tok_embeddings.weight, "tied weights untied"
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, foreach=True)
     rank, world = dist.get_rank(), dist.get_world_size()
     for name, p in ours.named_parameters():  # each rank holds its torch.chunk of the values
@@ -124,7 +151,7 @@ def _dtype_change(scenario: str) -> dict:
                 allreduce_mean_grads(ref)
             optimizer.step()
             losses.append(loss.detach())
-        where = f"{scenario}, step {step}, rank {rank}"
+        where = f"{scenario} ({layout}), step {step}, rank {rank}"
         assert losses[0].dtype == dtype, f"{where}: loss in {losses[0].dtype}"
         _check_dtype(where, ours, dtype)
         compare_with_torch(where, ours, theirs, losses[0], losses[1], agreement, exact=True, rtol=0, atol=0)
@@ -148,9 +175,19 @@ def _cast_keeps_unsharded_param_dtype_in_forward() -> list:
 # ---------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("scenario", ["cast", "meta_to_empty", "meta_to_empty_then_cast"])
-def test_dtype_change_after_fully_shard_keeps_identity_and_parity(scenario):
-    agreements = run_on_ranks(_dtype_change, 2, scenario, timeout=TIMEOUT)
+@pytest.mark.parametrize(
+    "scenario, layout",
+    [
+        ("cast", "per_block"),
+        ("meta_to_empty", "per_block"),
+        ("meta_to_empty_then_cast", "per_block"),
+        ("meta_to_empty", "grouped"),
+        ("cast", "grouped"),
+        ("meta_to_empty_then_cast", "tied"),
+    ],
+)
+def test_dtype_change_after_fully_shard_keeps_identity_and_parity(scenario, layout):
+    agreements = run_on_ranks(_dtype_change, 2, scenario, layout, timeout=TIMEOUT)
     assert all(all(v for k, v in a.items() if not k.startswith("max")) for a in agreements), agreements
 
 

@@ -1,4 +1,5 @@
-"""shardwise's gloo reduce-scatter: an all-to-all of the other ranks' chunks plus a local sum.
+"""shardwise's opt-in gloo reduce-scatter (``SHARDWISE_GLOO_REDUCE_SCATTER=all_to_all``): an
+all-to-all of the other ranks' chunks plus a local sum.
 
 ``shardwise.collectives.reduce_scatter`` on gloo must give what a SUM reduce-scatter
 gives: bit-identical to gloo's own at 2 ranks (one addition, a + b == b + a), within
@@ -10,6 +11,8 @@ replaces (N chunks), so the ring wire model ((N-1)/N of it) stays what really mo
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +21,7 @@ from shardwise import collectives
 from shardwise.testing import CommCounter, run_on_ranks
 
 TIMEOUT = 60
+ENV = "SHARDWISE_GLOO_REDUCE_SCATTER"
 PG = 1031  # elements per rank's chunk: odd, so nothing lines up by accident
 
 
@@ -28,6 +32,18 @@ def _every_input() -> list[torch.Tensor]:
 
 
 def _matches_a_reduce_scatter(async_op: bool) -> None:
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = "all_to_all"  # opt in, on this rank for this task only
+    try:
+        _all_to_all_matches(async_op)
+    finally:
+        if saved is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = saved
+
+
+def _all_to_all_matches(async_op: bool) -> None:
     n, rank = dist.get_world_size(), dist.get_rank()
     inputs = _every_input()
     ours = torch.empty(PG)

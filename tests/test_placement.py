@@ -7,6 +7,12 @@ replica (``full_tensor()``) and with torch's fully_shard given the same function
 (placements and ``to_local()``). Parameters, gradients and the unsharded parameters the
 modules see in forward (checked in a forward pre-hook on every leaf module: plain
 unsharded ``nn.Parameter``s, not DTensors) must be contiguous.
+
+``shard_placement_fn`` may also return torch's ``ShardPlacementResult`` (a placement and a
+per-parameter mesh; torchtitan's MoE path puts experts on their own mesh that way): the
+feed-forward of each block is sharded on an "expert" mesh of its own, trained against
+torch given the same function. Params of one call on two meshes are a clear
+NotImplementedError for now (torch splits them into two groups).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard
 
 import shardwise
@@ -87,3 +94,37 @@ def test_shard_largest_dim(mesh_shape):
         assert result["sharded_not_contiguous"] == [], f"rank {rank}: {result['sharded_not_contiguous']}"
         assert result["forward_not_contiguous"] == [], f"rank {rank}: {result['forward_not_contiguous']}"
         assert result["forward_seen"] > 0 and result["forward_types"] == ["Parameter"], result
+
+
+def _per_param_mesh() -> None:
+    mesh, expert_mesh = make_mesh((2,), ("dp",)), make_mesh((2,), ("edp",))
+    expert_info = FSDPMeshInfo(mesh=expert_mesh, shard_mesh_dim=0)
+
+    def on_expert_mesh(param: nn.Parameter) -> ShardPlacementResult:
+        return ShardPlacementResult(placement=Shard(0), mesh_info=expert_info)
+
+    def shard(model, fully_shard_fn):
+        for layer in model.layers:
+            fully_shard_fn(layer.feed_forward, mesh=mesh, shard_placement_fn=on_expert_mesh)
+        return _shard(model, fully_shard_fn, mesh)
+
+    torch.manual_seed(0)
+    base = Transformer(**DIMS)
+    ref = copy.deepcopy(base)
+    theirs = shard(copy.deepcopy(base), torch_fully_shard)
+    ours = shard(base, shardwise.fully_shard)
+    for name, p in ours.named_parameters():
+        want = ("edp",) if ".feed_forward." in name else ("dp",)
+        assert p.device_mesh.mesh_dim_names == want, f"{name}: on {p.device_mesh}"
+    gen = generator(dist.get_rank())
+    train(ours, ref, theirs, [token_batches(gen, DIMS["vocab_size"], 1, seq_len=SEQ) for _ in range(STEPS)])
+
+    def half_on_expert_mesh(param: nn.Parameter):
+        return on_expert_mesh(param) if param.dim() == 2 else None
+
+    with pytest.raises(NotImplementedError, match="one mesh per call"):
+        shardwise.fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=half_on_expert_mesh)
+
+
+def test_shard_placement_result_per_parameter_mesh():
+    run_on_ranks(_per_param_mesh, 2, timeout=TIMEOUT)

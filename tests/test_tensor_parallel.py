@@ -10,6 +10,10 @@
   fully_shard shards them over the named dim — for a (dp, tp) and a (tp, dp) mesh, where
   the dp placement of a TP-row-sharded param is ``_StridedShard(0, sf=2)`` and ``Shard(0)``
   respectively (torch's rule: only TP dims after dp interleave with it).
+- ``dp_mesh_dims`` with the batch a DTensor ``Shard(0)`` on dp (``distribute_module``): the
+  unsharded gradients come out ``Partial()`` over dp. They must be reduced once, by
+  FSDP's own reduce-scatter (not first all-reduced by a redistribution to the param's
+  ``Replicate()``, which made them N x torch's).
 
 The reference is a TP-only replica (or a plain one) whose gradients are averaged over the
 data-parallel ranks; every step :func:`_nd_helpers.check_step` compares ``full_tensor()`` of
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import DataParallelMeshDims as TorchDataParallelMeshDims
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import shardwise
@@ -325,3 +329,45 @@ def test_replicate_dp_mesh_dims_parity():
 def test_replicate_dp_mesh_dims_refuses_shard_dims():
     for message in run_on_ranks(_replicate_dp_mesh_dims_with_shard, 4, timeout=TIMEOUT):
         assert "Use fully_shard() for sharding" in message
+
+
+# ---------------------------------------------------------------- dp_mesh_dims, batch sharded over dp
+
+
+def _partial_over_dp(shape: tuple[int, ...], names: tuple[str, ...]) -> None:
+    mesh = make_mesh(shape, names)
+    batch_placements = [Shard(0) if n == "dp" else Replicate() for n in names]
+
+    def feed(module, inputs, device_mesh):  # this rank's rows of the global batch
+        return tuple(DTensor.from_local(x, device_mesh, batch_placements, run_check=False) for x in inputs)
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 4))
+    copies = []
+    for fully_shard_fn, dims in (
+        (shardwise.fully_shard, shardwise.DataParallelMeshDims(shard="dp")),
+        (torch_fully_shard, TorchDataParallelMeshDims(shard="dp")),
+    ):
+        model = distribute_module(copy.deepcopy(base), mesh, input_fn=feed)  # params Replicate() everywhere
+        copies.append(fully_shard_fn(model, mesh=mesh, dp_mesh_dims=dims))
+    gen = generator(mesh.get_local_rank("dp"))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in copies]
+    for step in range(STEPS):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        for model, opt in zip(copies, opts):
+            opt.zero_grad()
+            F.mse_loss(model(x).to_local(), y).backward()
+        for (name, p), q in zip(copies[0].named_parameters(), copies[1].parameters()):
+            where = f"{names} step {step}: {name}.grad"
+            assert p.grad.placements == q.grad.placements, f"{where}: {p.grad.placements} vs {q.grad.placements}"
+            ratio = (p.grad.to_local().norm() / q.grad.to_local().norm()).item()
+            torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), msg=lambda m: f"{where} ({ratio:.3f}x torch's): {m}")
+        for opt in opts:
+            opt.step()
+
+
+@pytest.mark.parametrize(
+    "world_size, shape, names", [(2, (2,), ("dp",)), (4, (2, 2), ("dp", "tp"))], ids=["1d_dp", "2d_dp_tp"]
+)
+def test_dp_mesh_dims_batch_sharded_over_dp_reduces_once(world_size, shape, names):
+    run_on_ranks(_partial_over_dp, world_size, shape, names, timeout=TIMEOUT)

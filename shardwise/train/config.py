@@ -66,6 +66,9 @@ class TrainConfig:
     """Write checkpoints in a background thread (``dcp.async_save``); training waits only for the copy."""
     stop_after: int | None = None
     """End this invocation after this step (checkpointing it) while the schedule still spans ``steps``."""
+    auto: bool = False
+    """Shard as ``shardwise.plan`` says (``auto_shard``) and report its predicted peak memory
+    against the last step's measured peak live tensor bytes."""
 
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
@@ -123,6 +126,8 @@ class TrainResult:
     setup_s: float  # corpus, model build and sharding, before the first step
     comm: "CommStats | None"  # this rank's collectives during the steps; None when nothing tallied them
     resumed_from: int = 0  # the checkpoint step this invocation continued from (0: a fresh start)
+    predicted_peak_bytes: int | None = None  # --auto: the plan's per-rank peak
+    measured_peak_bytes: int | None = None  # --auto: the last step's peak live tensor bytes, max over ranks
 
     @property
     def tokens_per_s(self) -> float:

@@ -57,7 +57,22 @@ def build_model(cfg: TrainConfig, env: DistEnv) -> GPT:
     """The model for ``cfg``, initialised identically on every rank, moved to ``env.device`` and sharded."""
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config()).to(env.device)
+    if cfg.auto:
+        return auto_shard_model(model, cfg, env)
     return shard_model(model, env.mesh, cfg.impl, cfg.mixed_precision)
+
+
+def auto_shard_model(model: GPT, cfg: TrainConfig, env: DistEnv) -> GPT:
+    """``--auto``: plan for this run (ranks, precision, batch) and apply the plan; the plan
+    stays on ``model.plan`` for the summary."""
+    import shardwise
+
+    mp = shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.mixed_precision == "bf16" else None
+    plan = shardwise.plan(model, mesh_shape=tuple(env.mesh.shape), mp_policy=mp, device=env.device.type,
+                          batch=(cfg.batch_size, model.cfg.seq_len))
+    logger.info("plan:\n%s", plan)
+    model.plan = plan
+    return shardwise.auto_shard(model, plan, mesh=env.mesh)
 
 
 def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -119,7 +134,10 @@ def _run_steps(
     for step in range(start_step + 1, job.checkpoints.last_step + 1):
         x, y = job.sampler.next_batch(env.device)
         lr = job.optimizer.param_groups[0]["lr"]
-        losses.append(train_step(job.model, job.optimizer, x, y).item())
+        if cfg.auto and step == job.checkpoints.last_step:  # --auto: measure the last step against the plan
+            losses.append(_measured_step(job.model, job.optimizer, x, y).item())
+        else:
+            losses.append(train_step(job.model, job.optimizer, x, y).item())
         job.scheduler.step()
         held_s = job.checkpoints.after_step(step)
         now = time.perf_counter()
@@ -131,6 +149,26 @@ def _run_steps(
     job.checkpoints.close()
     _sync(env.device)
     return losses, time.perf_counter() - start
+
+
+def _measured_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """:func:`train_step` under PeakMemory; the peak goes to ``model.measured_peak_bytes``."""
+    from shardwise.testing.memory import PeakMemory, tensors_of
+
+    with PeakMemory(tensors_of(model, optimizer) + [x, y]) as memory:
+        loss = train_step(model, optimizer, x, y)
+    model.measured_peak_bytes = memory.peak_bytes
+    return loss
+
+
+def _peaks(model: nn.Module, device: torch.device) -> tuple[int | None, int | None]:
+    """(predicted, measured max over ranks) under --auto, else (None, None)."""
+    plan = getattr(model, "plan", None)
+    if plan is None:
+        return None, None
+    t = torch.tensor([getattr(model, "measured_peak_bytes", 0)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return plan.peak_bytes, int(t.item())
 
 
 def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -> TrainResult:
@@ -163,6 +201,7 @@ def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -
     finally:
         metrics.close()
     comm = tally.snapshot() if tally is not None else None
+    predicted, measured = _peaks(model, env.device)
     return TrainResult(
         steps=len(losses),
         world_size=env.world_size,
@@ -175,6 +214,8 @@ def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -
         setup_s=setup_s,
         comm=comm,
         resumed_from=start_step,
+        predicted_peak_bytes=predicted,
+        measured_peak_bytes=measured,
     )
 
 

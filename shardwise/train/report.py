@@ -95,6 +95,16 @@ def _comm_lines(comm: "CommStats | None", steps: int) -> list[str]:
     return lines
 
 
+def _peak_lines(result: TrainResult) -> list[str]:
+    """--auto: the plan's predicted peak against the measured one."""
+    predicted, measured = result.predicted_peak_bytes, result.measured_peak_bytes
+    if predicted is None or not measured:
+        return []
+    error = 100 * (predicted - measured) / measured
+    return [f"peak memory   predicted {format_bytes(predicted)} | measured {format_bytes(measured)} "
+            f"(last step, live tensors) | {error:+.1f}%"]
+
+
 def final_line(result: TrainResult) -> str:
     """``final loss 2.3100 | 12,345 tokens/s | 1.2 MB/step/rank`` (``comm n/a`` without a tally)."""
     per_step = result.wire_bytes_per_step
@@ -111,6 +121,7 @@ def summary_lines(result: TrainResult) -> list[str]:
         f"throughput    {result.tokens_per_s:,.0f} tokens/s (all ranks)",
         f"loss          {result.first_loss:.4f} -> {result.final_loss:.4f} (mean over ranks)",
         *_comm_lines(result.comm, result.steps),
+        *_peak_lines(result),
         final_line(result),
     ]
 

@@ -1,0 +1,151 @@
+"""torch.compile over sharded modules: shardwise's hooks stay out of Dynamo's trace.
+
+- torchtitan's recipe, blocks compiled with ``fullgraph=True`` then sharded (both forms:
+  ``block.compile(...)`` in place, and ``fully_shard(torch.compile(block))``, the
+  ``OptimizedModule`` torch accepts), trains **bit-identically** to the same model sharded
+  eagerly: losses, every parameter and every gradient, every AdamW step (aot_eager
+  backend, so AOTAutograd's forward and backward graphs really run).
+- Graph count and graph breaks per step, counted by Dynamo itself
+  (``CompileCounterWithBackend``, ``torch._dynamo.utils.counters``), are at most torch
+  FSDP2's on the same model and recipe, measured in the same ranks.
+
+Each rank function resets Dynamo before and after, so compiled code never leaks into
+another test that shares the warm rank pool.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+import shardwise
+from _models import Transformer, lm_loss, rank_generator, token_batch
+from shardwise.testing import run_on_ranks
+
+TIMEOUT = 120  # Dynamo compiles in every rank of a shared 2-core machine
+DIMS = dict(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8, ffn_hidden=32)
+STEPS = 3
+
+
+# ---------------------------------------------------------------- helpers (run on the ranks)
+
+
+def _compile_blocks(model: Transformer, recipe: str, backend, fully_shard_fn, fullgraph: bool) -> nn.Module:
+    """Compile and shard per block as torchtitan does, then shard the root.
+
+    ``in_place``: ``block.compile()`` then ``fully_shard(block)``; ``wrapper``:
+    ``fully_shard(torch.compile(block))`` put back in ``model.layers``; ``whole``: shard
+    eagerly, then ``torch.compile(model)``; ``eager``: shard only.
+    """
+    for i, block in enumerate(model.layers):
+        if recipe == "in_place":
+            block.compile(backend=backend, fullgraph=fullgraph)
+        elif recipe == "wrapper":
+            block = model.layers[i] = torch.compile(block, backend=backend, fullgraph=fullgraph)
+        fully_shard_fn(block)
+    fully_shard_fn(model)
+    return torch.compile(model, backend=backend) if recipe == "whole" else model
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _assert_same_bits(step: int, compiled: nn.Module, eager: nn.Module, losses: tuple | None) -> None:
+    """Losses, parameters and (where set) gradients equal bit for bit; names up to ``_orig_mod.``."""
+    if losses is not None:
+        assert torch.equal(*losses), f"step {step}: loss {losses[0].item()} vs eager {losses[1].item()}"
+    for (name, p), (eager_name, q) in zip(compiled.named_parameters(), eager.named_parameters(), strict=True):
+        assert name.replace("_orig_mod.", "") == eager_name, f"{name} vs {eager_name}"
+        assert isinstance(p, DTensor) and p.placements == q.placements, f"{name}: {type(p).__name__}"
+        assert torch.equal(_local(p), _local(q)), f"step {step}: param {name} differs from eager"
+        assert (p.grad is None) == (q.grad is None), f"step {step}: grad {name} set in only one"
+        if p.grad is not None:
+            assert torch.equal(_local(p.grad), _local(q.grad)), f"step {step}: grad {name} differs from eager"
+
+
+def _fullgraph_parity(recipe: str) -> dict:
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    base = Transformer(**DIMS)
+    eager = _compile_blocks(copy.deepcopy(base), "eager", None, shardwise.fully_shard, fullgraph=False)
+    if recipe == "wrapper":  # torch accepts the OptimizedModule: same parameter names and layout
+        theirs = _compile_blocks(copy.deepcopy(base), "wrapper", "eager", torch_fully_shard, fullgraph=True)
+    backend = CompileCounterWithBackend("aot_eager")
+    compiled = _compile_blocks(base, recipe, backend, shardwise.fully_shard, fullgraph=True)
+    if recipe == "wrapper":
+        for (name, p), (their_name, q) in zip(compiled.named_parameters(), theirs.named_parameters(), strict=True):
+            assert name == their_name and p.placements == q.placements, f"{name} vs torch's {their_name}"
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (compiled, eager)]
+    gen = rank_generator()
+    for step in range(STEPS):
+        batch = token_batch(gen, DIMS["vocab_size"], seq_len=DIMS["max_seq_len"])
+        losses = []
+        for model, opt in zip((compiled, eager), opts):
+            loss = lm_loss(model, batch)
+            loss.backward()
+            losses.append(loss.detach())
+        _assert_same_bits(step, compiled, eager, tuple(losses))  # the gradients of this step
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    _assert_same_bits(STEPS, compiled, eager, None)  # the parameters after the last step
+    result = dict(graphs=backend.frame_count, breaks=sum(counters["graph_break"].values()))
+    torch._dynamo.reset()
+    return result
+
+
+def _graph_counts(fully_shard_fn, recipe: str, fullgraph: bool) -> tuple[int, int]:
+    """(graphs compiled, graph breaks) over two training steps, as Dynamo counts them."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    backend = CompileCounterWithBackend("eager")
+    model = _compile_blocks(Transformer(**DIMS), recipe, backend, fully_shard_fn, fullgraph)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = rank_generator()
+    for _ in range(2):
+        lm_loss(model, token_batch(gen, DIMS["vocab_size"], seq_len=DIMS["max_seq_len"])).backward()
+        opt.step()
+        opt.zero_grad()
+    result = (backend.frame_count, sum(counters["graph_break"].values()))
+    torch._dynamo.reset()
+    return result
+
+
+def _counts_side_by_side(recipes: list[tuple[str, bool]]) -> dict:
+    return {
+        f"{recipe}{'/fullgraph' if fullgraph else ''}": {
+            "shardwise": _graph_counts(shardwise.fully_shard, recipe, fullgraph),
+            "torch": _graph_counts(torch_fully_shard, recipe, fullgraph),
+        }
+        for recipe, fullgraph in recipes
+    }
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("recipe", ["in_place", "wrapper"])
+def test_fullgraph_blocks_train_bit_identically_to_eager(recipe):
+    results = run_on_ranks(_fullgraph_parity, 2, recipe, timeout=TIMEOUT)
+    for result in results:  # the two blocks share one graph; nothing broke it
+        assert result == dict(graphs=1, breaks=0), result
+
+
+def test_graphs_and_breaks_per_step_at_most_torchs():
+    recipes = [("whole", False), ("in_place", False)]  # where the hooks sit inside the traced call
+    for result in run_on_ranks(_counts_side_by_side, 2, recipes, timeout=TIMEOUT):
+        for recipe, counts in result.items():
+            (graphs, breaks), (torch_graphs, torch_breaks) = counts["shardwise"], counts["torch"]
+            assert graphs >= 1, f"{recipe}: nothing was compiled ({counts})"
+            assert graphs <= torch_graphs and breaks <= torch_breaks, f"{recipe}: {counts}"
