@@ -161,12 +161,11 @@ class ParamGroup:
     def _adopt_registered_params(self) -> None:
         """Adopt what the modules hold now as the sharded params (:meth:`ShardedParam.adopt`),
         lay them out again in their (maybe new) dtypes and drop the unsharded buffers, which
-        the next unshard rebuilds."""
-        self._params_replaced = False
+        the next unshard rebuilds. Until that succeeds the adoption stays pending (an error
+        repeats at every use)."""
         held = self._registered_params()
         on_meta = [p.fqn for p, t in zip(self.params, held) if t.is_meta]
         if on_meta and len(on_meta) < len(held):
-            self._params_replaced = True  # still pending: the error must repeat, not pass next time
             raise RuntimeError(
                 f"{self.fqn or 'a fully_shard group'}: parameters {on_meta} are still on the meta device while "
                 "the rest of their group was materialized; call to_empty(device=...) on a module containing "
@@ -179,6 +178,7 @@ class ParamGroup:
         self._unsharded_flat = None
         self._aliased = False
         self._segments = []
+        self._params_replaced = False
 
     def registered_params_replaced(self) -> bool:
         """Whether a module holds another object than our sharded param (``assign=True``)."""
