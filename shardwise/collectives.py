@@ -2,7 +2,8 @@
 
 Data flow of one group (N ranks in the shard group, P = sum of padded shard numels)::
 
-    unshard:  flat shard (P,) --all_gather--> gathered (N*P,) --copy_out--> per-param (N*pn,) segments
+    unshard:  padded shards --copy_in--> our (P,) slot of gathered (N*P,) --all_gather (in place)-->
+              gathered --copy_out--> per-param (N*pn,) segments
     reduce:   unsharded grads --pack_for_reduce--> (N, Pg) --reduce_scatter--> (Pg,) our shard
               [HSDP: --all_reduce over the replicate group-->]
 
@@ -33,6 +34,30 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     """All-gather ``input`` (P,) from every rank into ``output`` (N*P,), rank-major."""
     comm_stats.record("all_gather", _nbytes(output), dist.get_world_size(group))
     return dist.all_gather_single(output, input, group=group, async_op=async_op)
+
+
+def copy_in(slot: torch.Tensor, shards: list[torch.Tensor], widths: list[int]) -> None:
+    """Lay the padded ``shards`` back to back into ``slot`` (P,), each into ``widths[i]`` of
+    the slot's units: our input of an in-place all-gather (FSDP2's copy-in).
+
+    The slot is in the gather dtype. A shard of another dtype is cast element-wise on the
+    way (``param_dtype``), except into a byte slot (a mixed-dtype group gathered as is, see
+    layout.py), where its bytes are copied; either way it is moved to the slot's device.
+    """
+    flats = [_in_units_of(slot, s.reshape(-1)) for s in shards]
+    if len(flats) == 1:
+        slot.copy_(flats[0], non_blocking=True)
+    elif all(f.dtype == slot.dtype and f.device == slot.device for f in flats):
+        torch.cat(flats, out=slot)
+    else:
+        torch._foreach_copy_(list(slot.split(widths)), flats, non_blocking=True)
+
+
+def _in_units_of(slot: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` as bytes when ``slot`` holds bytes of several dtypes, else as it is."""
+    if slot.dtype == torch.uint8 and flat.dtype != torch.uint8:
+        return flat.view(torch.uint8)
+    return flat
 
 
 def copy_out(gathered: torch.Tensor, num_shards: int, split_sizes: list[int], outs: list[torch.Tensor]) -> None:

@@ -27,6 +27,7 @@ from shardwise.module import FSDPModule
 from shardwise.param import ParamSite, ShardedParam
 from shardwise.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, check_policies
 from shardwise.state import STATE_ATTR, ModuleState, get_state
+from shardwise.state_dict import register_state_dict_hooks
 
 __all__ = ["fully_shard", "build_state"]
 
@@ -114,6 +115,7 @@ def build_state(
             sp.shared_with = init_checks.claim_original_param(p, sp)
             init_checks.note_sharded(sp)
         optimizer_check.note_sharding()
+        register_state_dict_hooks(group)
     return ModuleState(modules, group, mesh_info, device, mp_policy, reshard_after_forward)
 
 

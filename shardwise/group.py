@@ -3,11 +3,15 @@
 One unshard is one all-gather for the whole group; one synced backward is one
 reduce-scatter (plus one all-reduce over the replicate dim for HSDP). The group owns:
 
-* the **flat shard** buffer ``(P,)`` holding every param's padded shard back to back; the
-  sharded DTensor parameters are views into it, so the all-gather reads it directly;
+* the **all-gather**: every param's padded shard (each its own tensor, see param.py) is
+  copied into its segment of our rank's slot of the ``(N*P,)`` output, cast and moved on
+  the way, and gathered in place, as FSDP2 does. Where each segment lies is the group's
+  :class:`~shardwise.layout.FlatLayout` (params widest itemsize first, as bytes, when a
+  frozen low-precision base sits next to trainable fp32 adapters);
 * the **unsharded** buffer ``(N*P,)`` holding every param's gathered rows; unsharded params
-  alias it. Resharding frees its storage but keeps the tensor objects, so views autograd
-  saved stay valid and are refilled by the next unshard;
+  alias it (with one shard and nothing to cast they alias the padded shards themselves).
+  Resharding frees its storage but keeps the tensor objects, so views autograd saved stay
+  valid and are refilled by the next unshard;
 * for ``reshard_after_forward=k``, the **post-forward shard** ``(N/k*P,)`` kept between
   forward and backward, gathered over a block of ``k`` ranks;
 * the work handles of an in-flight all-gather and reduction.
@@ -63,10 +67,10 @@ class ParamGroup:
     sharded_state: ShardedState
     reducer: GradReducer
     post_forward: PostForwardGroup | None  # set for reshard_after_forward=int
-    _flat: torch.Tensor  # (P,) padded shards, original dtype, on device or host (read via _flat_shard)
-    _params_replaced: bool  # module._apply swapped the params' local tensors: rebuild _flat lazily
-    _layout: FlatLayout  # where each param's padded shard lives in the flat buffers
+    _layout: FlatLayout  # where each param's padded shard lies in a rank's (P,) all-gather row
+    _params_replaced: bool  # module._apply / load_state_dict(assign=True) replaced params: adopt lazily
     _unsharded_flat: torch.Tensor | None  # (N*P,) in param dtype; storage empty while sharded
+    _aliased: bool  # shard size 1, nothing to cast or move: segments are the padded shards
     _segments: list[torch.Tensor]  # per param (N*width,) views into _unsharded_flat, in gather units
     _post_forward_shard: torch.Tensor | None  # (N/k*P,) our block's share, between fwd and bwd
 
@@ -90,8 +94,9 @@ class ParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self.post_forward = None
         self._pending_gather: _PendingGather | None = None
-        self._gathered_version = -1  # the flat shard's version when last gathered
+        self._gathered_version = -1  # the shards' version (_shard_version) when last gathered
         self._unsharded_flat = None
+        self._aliased = False
         self._segments = []
         self._post_forward_shard = None
         # knobs the FSDPModule setters change
@@ -103,9 +108,9 @@ class ParamGroup:
         self.allocate_from_process_group = False  # NCCL zero-copy staging; a no-op on gloo
         self.symm_mem = False  # NCCL symmetric-memory staging
         self._params_replaced = False
-        self._build_flat_shard([p.local_chunk(o) for p, o in zip(params, originals)])
-        for p, local in zip(params, self._shard_views()):
-            p.init_sharded_param(local)
+        self._lay_out([o.dtype for o in originals])
+        for p, original in zip(params, originals):
+            p.init_sharded_param(p.local_chunk(original), self._storage_device(), self.pin_memory)
         self.reducer = GradReducer(self)
 
     def __repr__(self) -> str:
@@ -114,70 +119,77 @@ class ParamGroup:
     def _emit(self, kind: str) -> None:
         tracing.emit(kind, self.fqn, self.training_state.value)
 
-    # ---- the flat shard ---------------------------------------------------------------
+    # ---- the sharded params -----------------------------------------------------------
 
-    def _build_flat_shard(self, locals_: list[torch.Tensor]) -> None:
-        """Lay the params out (:class:`~shardwise.layout.FlatLayout`), allocate the flat shard
-        buffer and copy each param's real rows into its segment."""
-        layout = FlatLayout.build([p.padded_numel for p in self.params], [t.dtype for t in locals_])
+    def _lay_out(self, dtypes: list[torch.dtype]) -> None:
+        """Place the params in the all-gather row (:class:`~shardwise.layout.FlatLayout`);
+        torch's rule: only the trainable params must share one dtype."""
+        layout = FlatLayout.build([p.padded_numel for p in self.params], dtypes)
         layout.check_trainable_uniform([p.fqn for p in self.params], [p.requires_grad for p in self.params])
         self._layout = layout
-        device = locals_[0].device if locals_[0].is_meta else self._storage_device()
-        flat = torch.zeros(layout.total, dtype=layout.storage_dtype, device=device)
-        if self.pin_memory:
-            flat = flat.pin_memory()
-        self._flat = flat
-        if not flat.is_meta:
-            with torch.no_grad():
-                for view, local in zip(self._shard_views(), locals_):
-                    view.copy_(local)
 
     def _storage_device(self) -> torch.device:
         return torch.device("cpu") if self.offload else self.device
 
-    def _shard_views(self) -> list[torch.Tensor]:
-        return [p.shard_view(self._layout.segment(self._flat, i)) for i, p in enumerate(self.params)]
-
-    @property
-    def _flat_shard(self) -> torch.Tensor:
-        """The flat shard buffer, rebuilt first if ``module._apply`` replaced the params' data."""
-        if self._params_replaced:
-            self._rebuild_flat_shard()
-        return self._flat
-
     def reset_sharded_params(self) -> None:
-        """After ``module._apply`` (``.to(dtype)``, ``to_empty``) on one member module: the
-        params' DTensors now wrap new local tensors, outside the flat shard.
+        """The modules hold new data for our params: after ``module._apply`` (``.to(dtype)``,
+        ``to_empty``: same objects, new local tensors) or ``load_state_dict(assign=True)``
+        (new objects, which become the params as in FSDP2).
 
-        Nothing is rebuilt here: ``_apply`` on a parent visits a grouped call's members one
-        at a time (``fully_shard([norm, output])``), so when the first member is converted
-        the others are still on meta or in the old dtype. The flat shard is rebuilt from the
-        params' then-current local tensors on its next use (unshard, or any read of
-        ``_flat_shard``), after the user's weight init, keeping every param's identity.
+        Nothing is adopted here: ``_apply`` on a parent (and a parent's load) visits a
+        grouped call's members one at a time (``fully_shard([norm, output])``), so when the
+        first member is converted the others are still on meta, in the old dtype or not yet
+        loaded. The params are adopted on the group's next use (unshard, or any read of
+        :attr:`layout`), after the user's weight init, once every member is converted.
         """
         self.reshard()
+        for p, param in zip(self.params, self._registered_params()):
+            p.check_adoptable(param)  # a wrong layout is refused by the load that assigned it
         self._params_replaced = True
 
-    def _rebuild_flat_shard(self) -> None:
-        self._params_replaced = False
-        locals_ = [p.sharded_param._local_tensor for p in self.params]
-        on_meta = [p.fqn for p, t in zip(self.params, locals_) if t.is_meta]
-        if on_meta and len(on_meta) < len(locals_):
+    def _registered_params(self) -> list[torch.Tensor]:
+        """What the modules hold now under each param's (first) name."""
+        return [p.sites[0].module._parameters[p.sites[0].name] for p in self.params]
+
+    @property
+    def layout(self) -> FlatLayout:
+        """Where each param's padded shard lies in the all-gather row; adopts replaced
+        params first (see :meth:`reset_sharded_params`)."""
+        if self._params_replaced:
+            self._adopt_registered_params()
+        return self._layout
+
+    def _adopt_registered_params(self) -> None:
+        """Adopt what the modules hold now as the sharded params (:meth:`ShardedParam.adopt`),
+        lay them out again in their (maybe new) dtypes and drop the unsharded buffers, which
+        the next unshard rebuilds. Until that succeeds the adoption stays pending (an error
+        repeats at every use)."""
+        held = self._registered_params()
+        on_meta = [p.fqn for p, t in zip(self.params, held) if t.is_meta]
+        if on_meta and len(on_meta) < len(held):
             raise RuntimeError(
                 f"{self.fqn or 'a fully_shard group'}: parameters {on_meta} are still on the meta device while "
                 "the rest of their group was materialized; call to_empty(device=...) on a module containing "
                 "every module of the group (e.g. the root)"
             )
-        self._build_flat_shard(locals_)
-        for p, view in zip(self.params, self._shard_views()):
-            p.repoint_local(view)
+        for p, param in zip(self.params, held):
+            p.adopt(param, self._storage_device(), self.pin_memory)
             p.unsharded_param = None
+        self._lay_out([p.sharded_param.dtype for p in self.params])
         self._unsharded_flat = None
+        self._aliased = False
         self._segments = []
+        self._params_replaced = False
+
+    def registered_params_replaced(self) -> bool:
+        """Whether a module holds another object than our sharded param (``assign=True``)."""
+        return any(
+            site.module._parameters.get(site.name) is not p.sharded_param for p in self.params for site in p.sites
+        )
 
     @property
     def param_dtype(self) -> torch.dtype:
-        return self.mp_policy.param_dtype or self._flat_shard.dtype
+        return self.mp_policy.param_dtype or self.layout.storage_dtype
 
     @property
     def is_unsharded(self) -> bool:
@@ -193,37 +205,36 @@ class ParamGroup:
     @property
     def _aliases_shard(self) -> bool:
         """One shard of the whole params (world size 1, replicate) needing no cast or device
-        copy: the unsharded params are the flat shard itself, and nothing is copied or freed."""
-        flat = self._flat_shard
-        return (
-            self.mesh_info.shard_size == 1
-            and flat.dtype == self.param_dtype
-            and flat.device == self.device
-            and all(p.shard_dim == 0 for p in self.params)
+        copy: the unsharded params alias the padded shards, and nothing is copied or freed."""
+        return self.mesh_info.shard_size == 1 and all(
+            p.padded_shard.dtype == self.param_dtype and p.padded_shard.device == self.device and p.shard_dim == 0
+            for p in self.params
         )
 
     def _ensure_unsharded_buffer(self) -> None:
         """Create the unsharded buffer and the params aliasing it (once; storage starts freed)."""
         n = self.mesh_info.shard_size
-        if self._unsharded_flat is not None and self._unsharded_flat.dtype == self.param_dtype:
+        if self._segments and self._segments[0].dtype == self.param_dtype:
             return
-        if self._aliases_shard:
-            self._unsharded_flat = self._flat_shard
+        self._aliased = self._aliases_shard
+        if self._aliased:
+            self._unsharded_flat = None
+            self._segments = [p.padded_shard.view(-1) for p in self.params]
         else:
-            width = sum(self._gather_widths())
-            self._unsharded_flat = torch.empty(n * width, dtype=self.param_dtype, device=self.device)
-        self._segments = [None] * len(self.params)
-        offset, widths = 0, self._gather_widths()
-        for i in self._layout.order:
-            self._segments[i] = self._unsharded_flat[offset : offset + n * widths[i]]
-            self.params[i].init_unsharded_param(self._layout.as_param(self._segments[i], i))
-            offset += n * widths[i]
-        if self._unsharded_flat is not self._flat_shard:
+            widths = self._gather_widths()
+            self._unsharded_flat = torch.empty(n * sum(widths), dtype=self.param_dtype, device=self.device)
+            pieces = self._unsharded_flat.split(self._in_gather_order([n * w for w in widths]))
+            self._segments = [None] * len(self.params)
+            for i, piece in zip(self._layout.order, pieces):
+                self._segments[i] = piece
+        for i, (p, segment) in enumerate(zip(self.params, self._segments)):
+            p.init_unsharded_param(self._layout.as_param(segment, i))
+        if self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
 
     def _gather_widths(self) -> tuple[int, ...]:
         """Each param's length in one rank's all-gather row (param_dtype units)."""
-        return self._layout.gather_widths(self.param_dtype)
+        return self.layout.gather_widths(self.param_dtype)
 
     def _in_gather_order(self, per_param: list) -> list:
         return [per_param[i] for i in self._layout.order]
@@ -235,14 +246,21 @@ class ParamGroup:
         if storage.size() == 0:
             storage.resize_(self._unsharded_flat.numel() * self._unsharded_flat.element_size())
 
-    def _gather_source(self) -> tuple[torch.Tensor, object, int]:
-        """(input, process group, ranks) of the next all-gather: from the full shard, or
-        from the post-forward shard over the block of k ranks."""
+    def _gather_io(self) -> tuple[torch.Tensor, torch.Tensor, object, int]:
+        """(output, input, process group, ranks) of the next all-gather. From the full shards:
+        every param's padded shard is copied (cast to ``param_dtype``, moved to the device)
+        into its layout segment of our rank's slot of the output, which is the input
+        (gathered in place, as FSDP2 does). After an int reshard: from the post-forward
+        shard, over the block of k ranks."""
         if self._post_forward_shard is not None:
             pf = self.post_forward
-            return self._post_forward_shard, pf.group, pf.size
-        gather_input = self._layout.gather_input(self._flat_shard, self.device, self.param_dtype)
-        return gather_input, self.mesh_info.shard_group, self.mesh_info.shard_size
+            return self._gather_output(pf.size), self._post_forward_shard, pf.group, pf.size
+        n = self.mesh_info.shard_size
+        gathered = self._gather_output(n)
+        slot = gathered.view(n, -1)[self.mesh_info.shard_rank]  # (P,)
+        shards = self._in_gather_order([p.padded_shard for p in self.params])
+        collectives.copy_in(slot, shards, self._in_gather_order(list(self._gather_widths())))
+        return gathered, slot, self.mesh_info.shard_group, n
 
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the group's params (idempotent); ``wait_for_unshard`` finishes it.
@@ -255,8 +273,10 @@ class ParamGroup:
             self.reshard()
         if self.is_unsharded or self._pending_gather is not None:
             return
-        if self._flat_shard.is_meta:
-            names = [p.fqn for p in self.params]
+        if self._params_replaced:  # module._apply or an assigning load replaced them
+            self._adopt_registered_params()
+        if any(p.padded_shard.is_meta for p in self.params):
+            names = [p.fqn for p in self.params if p.padded_shard.is_meta]
             raise RuntimeError(
                 f"cannot unshard {self.fqn or 'the root module'}: parameters {names} are on the meta device; "
                 "call module.to_empty(device=...) and initialise them first"
@@ -264,22 +284,22 @@ class ParamGroup:
         self._wait_post_optim_event()
         self._ensure_unsharded_buffer()
         self._emit("unshard")
-        if self._unsharded_flat is self._flat_shard:
+        if self._aliased:
             self._register_unsharded()
             return
         self._gathered_version = self._shard_version()
-        gather_input, group, n = self._gather_source()
-        if n == 1:
-            self._pending_gather = _PendingGather(None, gather_input, 1)
-        else:
-            gathered = self._gather_output(n)
+        scratch_input = self._post_forward_shard  # freed once copied out; a slot of ``gathered`` is not
+        gathered, gather_input, group, n = self._gather_io()
+        scratch = self._gather_scratch(gathered, scratch_input)
+        work = None
+        if n > 1:
             start = tracing.comm_clock()
             work = monitor.issue(
                 "all-gather", self.fqn, group, gather_input,
                 lambda: self.all_gather_comm(gathered, gather_input, group, async_op=True),
             )
             tracing.comm_issued("all_gather", self.fqn, self.training_state.value, start, work)
-            self._pending_gather = _PendingGather(work, gathered, n, self._gather_scratch(gathered, gather_input))
+        self._pending_gather = _PendingGather(work, gathered, n, scratch)
         if not async_op:
             self.wait_for_unshard()
 
@@ -292,13 +312,13 @@ class ParamGroup:
     def _gathered_stale(self) -> bool:
         """Whether a sharded param changed since the last all-gather (an optimizer step, a
         checkpoint load). Aliased params (``replicate``) are the shard: never stale."""
-        return self._unsharded_flat is not self._flat_shard and self._shard_version() != self._gathered_version
+        return not self._aliased and self._shard_version() != self._gathered_version
 
-    def _gather_scratch(self, gathered: torch.Tensor, gather_input: torch.Tensor) -> list[torch.Tensor]:
-        """The buffers of this all-gather that die at copy-out: a cast/offload copy of the
-        shard or the post-forward shard (the input), and our own output buffer (a custom
-        comm's output is its own memory: left to it)."""
-        scratch = [] if gather_input is self._flat_shard else [gather_input]
+    def _gather_scratch(self, gathered: torch.Tensor, post_forward_shard: torch.Tensor | None) -> list[torch.Tensor]:
+        """The buffers of this all-gather that die at copy-out: the post-forward shard it
+        read, and our own output buffer (a custom comm's output is its own memory: left to
+        it; the unsharded segment a one-param group gathers into is the result)."""
+        scratch = [] if post_forward_shard is None else [post_forward_shard]
         if gathered is not self._segments[0] and isinstance(self.all_gather_comm, collectives.DefaultAllGather):
             scratch.append(gathered)
         return scratch
@@ -361,7 +381,7 @@ class ParamGroup:
         for p in self.params:
             p.register_sharded()
             p.free_own_unsharded()
-        if self._unsharded_flat is not None and self._unsharded_flat is not self._flat_shard:
+        if self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
         self._emit("reshard")
 

@@ -1,17 +1,18 @@
-"""FlatLayout: where each parameter's padded shard lives in a group's flat buffers.
+"""FlatLayout: where each parameter's padded shard lies in a group's all-gather row.
 
-A group keeps every param's padded shard back to back in one flat shard buffer, and
-all-gathers that buffer in one collective (see group.py). Usually all params share one
-dtype and the buffer has it. A frozen low-precision base next to trainable fp32 adapters
-(LoRA) mixes dtypes in one group; torch's FSDP2 allows that (it checks dtype uniformity
-over *trainable* params only) and all-gathers such a group as bytes. So do we::
+Every param owns its padded shard (see param.py); one unshard copies them back to back
+into our rank's row of the all-gather output and gathers all rows in one collective
+(see group.py). Usually all params share one dtype and the row has it. A frozen
+low-precision base next to trainable fp32 adapters (LoRA) mixes dtypes in one group;
+torch's FSDP2 allows that (it checks dtype uniformity over *trainable* params only) and
+all-gathers such a group as bytes. So do we::
 
-    one dtype      flat shard (P,) of that dtype; params in their own order
-    mixed dtypes   flat shard (P bytes,) uint8; params ordered widest itemsize first, so
-                   every param's byte offset is a multiple of its itemsize and its
+    one dtype      row (P,) of that dtype; params in their own order
+    mixed dtypes   row (P bytes,) uint8; params ordered widest itemsize first, so every
+                   param's byte offset is a multiple of its itemsize and its gathered
                    segment can be viewed as its dtype (all itemsizes are powers of two)
 
-The all-gather moves one rank's flat row in "gather units": the flat shard's dtype, or
+The row is in "gather units": ``storage_dtype`` (the common dtype, or bytes), or
 ``param_dtype`` when mixed precision casts it (then elementwise: one unit per element).
 Offsets in the unsharded buffer follow the same order and widths, times N.
 """
@@ -25,15 +26,15 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class FlatLayout:
-    """Positions of a group's params in its flat buffers (all per param, in param order)."""
+    """Positions of a group's params in its all-gather row (all per param, in param order)."""
 
     dtypes: tuple[torch.dtype, ...]  # each param's sharded dtype
-    storage_dtype: torch.dtype  # the flat shard's dtype: the common one, or uint8 when mixed
-    order: tuple[int, ...]  # param indices in buffer order
-    offsets: tuple[int, ...]  # start of each padded shard in the flat shard (storage units)
+    storage_dtype: torch.dtype  # the row's dtype when nothing casts: the common one, or uint8 when mixed
+    order: tuple[int, ...]  # param indices in row order
+    offsets: tuple[int, ...]  # start of each padded shard in the row (storage units)
     widths: tuple[int, ...]  # length of each padded shard (storage units)
     padded_numels: tuple[int, ...]  # elements of each padded shard
-    total: int  # length of the flat shard (storage units)
+    total: int  # length of the row (storage units)
 
     @staticmethod
     def build(padded_numels: list[int], dtypes: list[torch.dtype]) -> "FlatLayout":
@@ -56,26 +57,9 @@ class FlatLayout:
     def mixed(self) -> bool:
         return self.storage_dtype == torch.uint8 and any(d != torch.uint8 for d in self.dtypes)
 
-    def segment(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """Param ``i``'s padded shard in the flat shard, as its own dtype (padded_numel,)."""
-        piece = flat[self.offsets[i] : self.offsets[i] + self.widths[i]]
-        return piece.view(self.dtypes[i]) if piece.dtype != self.dtypes[i] else piece
-
     def gather_widths(self, gather_dtype: torch.dtype) -> tuple[int, ...]:
         """Each param's length in one rank's all-gather row, in ``gather_dtype`` units."""
         return self.widths if gather_dtype == self.storage_dtype else self.padded_numels
-
-    def gather_input(self, flat: torch.Tensor, device: torch.device, gather_dtype: torch.dtype) -> torch.Tensor:
-        """One rank's all-gather input: the flat shard itself when no cast or copy is due."""
-        if not (self.mixed and gather_dtype != self.storage_dtype):
-            return flat.to(device, gather_dtype, non_blocking=True)
-        # mixed dtypes cast to one param_dtype: element by element, param by param
-        out = torch.empty(sum(self.padded_numels), dtype=gather_dtype, device=device)
-        offset = 0
-        for i in self.order:
-            out[offset : offset + self.padded_numels[i]].copy_(self.segment(flat, i))
-            offset += self.padded_numels[i]
-        return out
 
     def as_param(self, gathered_segment: torch.Tensor, i: int) -> torch.Tensor:
         """Param ``i``'s unsharded segment (gather units) viewed as the dtype it computes in."""

@@ -291,7 +291,8 @@ class FSDPModule:
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``.to(dtype)`` / ``to_empty`` swap the sharded DTensor params' data in place
-        # (identity kept); the group then rebuilds its flat shard around the new data.
+        # (identity kept); the group adopts the new data as its padded shards on its next
+        # use, once every member of a grouped call is converted (see reset_sharded_params).
         groups = self._groups()
         for group in groups:
             group.reshard()

@@ -9,11 +9,14 @@ Layout (N = shard-group size, r = our rank in it, d = the shard dim, usually 0):
     gathered        (N, padded_numel)                   the all-gather output for this param
     unsharded       (D0, *rest)                         gathered[:D0 rows], a view in the group's buffer
 
-The padded shard lives inside the group's flat shard buffer (see group.py), so the
-all-gather needs no copy-in when no cast is required. The sharded ``nn.Parameter`` the
-optimizer holds is a DTensor whose local tensor is the *unpadded* view of that storage:
-padding is never visible. For ``Shard(d)`` with ``d != 0`` the dim must divide evenly;
-the shard is stored contiguously in the original layout and gathered chunks are
+Each param owns its padded shard: a tensor of its own storage, as FSDP2 keeps one per
+parameter. The sharded ``nn.Parameter`` the optimizer holds is a DTensor whose local
+tensor is the *unpadded* leading rows of that storage (storage offset 0): padding is never
+visible, and a state dict's values share no storage with one another, so ``torch.save``
+(which cannot pickle a DTensor whose local tensor starts inside its storage) and
+safetensors take them as they are. The group copies the padded shards into the
+all-gather's input (see group.py). For ``Shard(d)`` with ``d != 0`` the dim must divide
+evenly; the shard is stored contiguously in the original layout and gathered chunks are
 concatenated along ``d`` on copy-out.
 """
 
@@ -75,7 +78,8 @@ class ShardedParam:
     padded_rows: int  # rows of one padded shard on shard_dim
     local_size: torch.Size  # this rank's real shard shape (0 rows possible)
     padded_numel: int  # numel of one padded shard (same on every rank)
-    sharded_param: nn.Parameter  # DTensor; the object the optimizer holds
+    padded_shard: torch.Tensor  # (padded_rows, *rest) on dim d; own storage, original dtype, host when offloaded
+    sharded_param: nn.Parameter  # DTensor over padded_shard's real rows; the object the optimizer holds
     unsharded_param: torch.Tensor | None  # plain leaf tensor aliasing the group's unsharded buffer
     unsharded_accumulated_grad: torch.Tensor | None  # grads kept while gradient sync is off
     sharded_state: ShardedState
@@ -138,7 +142,7 @@ class ShardedParam:
         return data.detach().narrow(self.shard_dim, start, length)
 
     def shard_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
-        """The real (unpadded) shard as a view of its padded segment of the flat shard buffer."""
+        """The real (unpadded) rows of a padded segment (a reduced gradient buffer), as a view."""
         if self.shard_dim == 0:
             return padded_flat.view(self._padded_shape)[: self.local_size[0]]
         return padded_flat.view(self.local_size)
@@ -146,10 +150,12 @@ class ShardedParam:
     def placements(self) -> tuple:
         return self._placements
 
-    def init_sharded_param(self, local_view: torch.Tensor) -> None:
-        """Create the sharded DTensor parameter around ``local_view`` and register it."""
+    def init_sharded_param(self, chunk: torch.Tensor, device: torch.device, pin_memory: bool) -> None:
+        """Copy this rank's unpadded ``chunk`` into a new padded shard on ``device`` (meta
+        stays meta), wrap its real rows as the sharded DTensor parameter and register it."""
+        self.padded_shard = self._new_padded_shard(chunk, device, pin_memory)
         dtensor = DTensor.from_local(
-            local_view,
+            self._real_rows(),
             self._spmd_mesh,
             self.placements(),
             run_check=False,
@@ -160,10 +166,77 @@ class ShardedParam:
         self._refresh_spec()
         self.register_sharded()
 
-    def repoint_local(self, local_view: torch.Tensor) -> None:
-        """Point the existing DTensor parameter at new storage, keeping the object's identity."""
-        self.sharded_param._local_tensor = local_view
+    def _new_padded_shard(self, chunk: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:
+        """A zero-padded ``(padded_rows, *rest)`` tensor of its own holding ``chunk``'s rows."""
+        device = chunk.device if chunk.is_meta else device
+        padded = torch.zeros(self._padded_shape, dtype=chunk.dtype, device=device)
+        if pin_memory and not padded.is_meta:
+            padded = padded.pin_memory()
+        if not padded.is_meta:
+            with torch.no_grad():
+                padded.narrow(self.shard_dim, 0, chunk.size(self.shard_dim)).copy_(chunk)
+        return padded
+
+    def _real_rows(self) -> torch.Tensor:
+        """The padded shard's real rows: the DTensor's local tensor (storage offset 0)."""
+        return self.padded_shard.narrow(self.shard_dim, 0, self.local_size[self.shard_dim])
+
+    def adopt(self, param: nn.Parameter, device: torch.device, pin_memory: bool) -> None:
+        """Make ``param`` (what the module holds now) the sharded parameter, its local tensor
+        the shard storage: after ``module._apply`` (``.to(dtype)``, ``to_empty``: the same
+        object, new data) or ``load_state_dict(assign=True)`` (a new object, adopted as the
+        parameter, as FSDP2 does).
+
+        A local tensor that already is a padded shard of its own (storage offset 0, exactly
+        the padded bytes, on ``device``) is kept as is; any other is copied into a new
+        zero-padded shard. The parameter is registered on every site (tied weights again
+        share the first site's). Raises when ``param`` is not a DTensor laid out like ours.
+        """
+        self.check_adoptable(param)
+        local = param._local_tensor
+        if self._owns_padded_storage(local, device, pin_memory):
+            padded = local.new_empty(0).set_(local.untyped_storage(), 0, self._padded_shape)
+        else:
+            padded = self._new_padded_shard(local, device, pin_memory)
+        self.padded_shard = padded
+        self.sharded_param = param
+        param._local_tensor = self._real_rows()
         self._refresh_spec()
+        self.register_sharded()
+
+    def _owns_padded_storage(self, local: torch.Tensor, device: torch.device, pin_memory: bool) -> bool:
+        if local.is_meta:
+            return False
+        return (
+            local.device == device
+            and local.storage_offset() == 0
+            and local.is_contiguous()
+            and local.untyped_storage().nbytes() == self.padded_numel * local.element_size()
+            and (not pin_memory or local.is_pinned())
+        )
+
+    def check_adoptable(self, param: torch.Tensor) -> None:
+        """Raise, naming the parameter, unless ``param`` is a DTensor laid out as ours (mesh,
+        placements, global and local shape): what :meth:`adopt` can take as this param."""
+        where = f"parameter {self.fqn!r} (managed by fully_shard)"
+        if not isinstance(param, DTensor):
+            raise ValueError(
+                f"{where} was replaced by a plain {type(param).__name__} of shape {tuple(param.shape)}: "
+                "load_state_dict(assign=True) needs the sharded DTensors of model.state_dict(); load a full "
+                "state dict with torch.distributed.checkpoint.state_dict.set_model_state_dict(..., "
+                "StateDictOptions(full_state_dict=True)) or without assign=True"
+            )
+        if param._spec.mesh != self._spmd_mesh or tuple(param.placements) != tuple(self.placements()):
+            raise ValueError(
+                f"{where} was assigned a DTensor with placements {param.placements} on {param._spec.mesh}; "
+                f"fully_shard holds it as {self.placements()} on {self._spmd_mesh}: redistribute it first "
+                "or load without assign=True"
+            )
+        if param.shape != self.orig_size or param._local_tensor.shape != self.local_size:
+            raise ValueError(
+                f"{where} was assigned a DTensor of shape {tuple(param.shape)} (local "
+                f"{tuple(param._local_tensor.shape)}); expected {tuple(self.orig_size)} (local {tuple(self.local_size)})"
+            )
 
     def _refresh_spec(self) -> None:
         meta = TensorMeta(self.orig_size, self.orig_stride, self.sharded_param.dtype)

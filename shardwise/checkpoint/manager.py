@@ -34,9 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from shardwise.checkpoint.directory import CheckpointDir, CheckpointError
 from shardwise.checkpoint.trainer_state import (
@@ -66,36 +64,6 @@ class CheckpointPolicy:
             raise ValueError(f"CheckpointPolicy.every must be >= 0, got {self.every}")
         if self.keep_last < 1:
             raise ValueError(f"CheckpointPolicy.keep_last must be >= 1, got {self.keep_last}")
-
-
-def _copy_state(obj: Any) -> Any:
-    """A copy of a state dict that later in-place updates cannot reach: tensors cloned, containers new."""
-    if isinstance(obj, DTensor):
-        local = obj.to_local().detach().clone()
-        return DTensor.from_local(local, obj.device_mesh, obj.placements, shape=obj.shape, stride=obj.stride(),
-                                  run_check=False)
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _copy_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_copy_state(v) for v in obj]
-    return obj  # numbers, strings, tuples of them: immutable
-
-
-class _CloneStager(AsyncStager):
-    """Stages for ``dcp.async_save`` by cloning every tensor where it lives, synchronously.
-
-    DCP's own stagers ``copy.deepcopy`` each DTensor, which fails on shardwise's parameters
-    today ("Attempted to call copy_() on an invalid python storage": the sharded parameters of
-    a group are views of one flat buffer; tracked with the state-dict contract of issue 15).
-    A clone reads the same values without going through the storage object.
-    """
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict) -> dict:
-        return _copy_state(state_dict)
 
 
 @dataclasses.dataclass
@@ -199,7 +167,7 @@ class Checkpointer:
         manifest = {"world_size": self.world_size, "tensors": tensor_shapes(state["model"]), "meta": self.meta}
         writer = dcp.FileSystemWriter(str(staging), sync_files=True)
         if self.policy.async_save:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=_CloneStager())
+            future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
             self._pending = _PendingSave(step, future, manifest)
         else:
             dcp.save(state, storage_writer=writer)

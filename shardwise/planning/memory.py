@@ -4,8 +4,9 @@ The model walks the marks of :mod:`shardwise.planning.activations` (each unit's 
 forward and backward, in the order the step runs them) and applies at each one what
 state.py, prefetch.py, group.py and reduce.py do there, buffer by buffer::
 
-    pre_forward(u)   all-gather u (output buffer; a cast copy of the shard under mixed
-                     precision), then - CPU only - start the all-gathers of the
+    pre_forward(u)   all-gather u (output buffer: each param's padded shard is copied in,
+                     cast under mixed precision, to our rank's row, and gathered in
+                     place), then - CPU only - start the all-gathers of the
                      prefetch.DEPTH units that followed u last forward, then copy-out
                      (unsharded buffer allocated while the gather output still lives)
     post_forward(u)  reshard True: free; k: keep an N/k share (cat, then free); False: keep
@@ -43,8 +44,8 @@ CATEGORIES = (
     "sharded_params", "grads", "optimizer_state", "unsharded", "unsharded_grads", "reduction",
     "optimizer_temp", "activations",
 )
-"""Where a rank's bytes go: unsharded = gather outputs, unsharded params, cast copies and
-post-forward shards in flight; reduction = packed reduce inputs, receive buffers and
+"""Where a rank's bytes go: unsharded = gather outputs, unsharded params and post-forward
+shards in flight; reduction = packed reduce inputs, receive buffers and
 outputs not yet turned into grads; optimizer_temp = the optimizer step's temporaries."""
 
 
@@ -64,9 +65,9 @@ class MemoryBreakdown:
 class UnitBytes:
     """One unit's buffers on one rank, in bytes."""
 
-    shard: int  # flat padded shard, params' own dtype
+    shard: int  # the params' padded shards, their own dtype
     gathered: int  # N·P in param dtype: the all-gather output and the unsharded buffer
-    cast: int  # P in param dtype: the shard cast (or copied from host) for the all-gather
+    aliases: bool  # N = 1, no cast, no offload: the unsharded params are the padded shards
     direct: bool  # one param: the all-gather writes the unsharded buffer itself
     packed: int  # N·Pg in reduce dtype
     reduced: int  # Pg in reduce dtype
@@ -91,7 +92,7 @@ class UnitBytes:
         return cls(
             shard=padded * ob,
             gathered=n * padded * pb,
-            cast=padded * pb if (pb != ob or setting.offload) else 0,
+            aliases=n == 1 and pb == ob and not setting.offload,
             direct=len(unit.params) == 1,
             packed=n * padded_grad * rb,
             reduced=padded_grad * rb,
@@ -156,19 +157,19 @@ class _Step:
     # ---- gathering ----------------------------------------------------------------------
 
     def unshard(self, f: str) -> None:
-        """Start u's all-gather (idempotent), as ParamGroup.unshard(async_op=True)."""
+        """Start u's all-gather (idempotent), as ParamGroup.unshard(async_op=True): the
+        shards are copied into the output (no buffer of their own) and gathered in place."""
         if f in self.unsharded or f in self.pending_gather:
             return
         b = self.bytes[f]
-        if self.n == 1 and not b.cast:
-            self.unsharded.add(f)  # the unsharded params alias the shard
+        if b.aliases:
+            self.unsharded.add(f)  # the unsharded params alias the shards
             return
         if f in self.pf_shard:  # gather over k from the kept share; the share dies at copy-out
             scratch, direct = self.pf_shard.pop(f), False
         else:
-            scratch, direct = b.cast, b.direct and self.n > 1
-            self.alloc("unsharded", scratch)
-        gather = 0 if self.n == 1 else b.gathered
+            scratch, direct = 0, b.direct
+        gather = b.gathered
         self.alloc("unsharded", gather)
         self.pending_gather[f] = (gather, scratch, direct)
 
@@ -190,7 +191,7 @@ class _Step:
         self.free("unsharded", self.pf_shard.pop(f, 0))
         if f in self.unsharded:
             self.unsharded.discard(f)
-            if not (self.n == 1 and not self.bytes[f].cast):
+            if not self.bytes[f].aliases:
                 self.free("unsharded", self.bytes[f].gathered)
 
     # ---- reduction ----------------------------------------------------------------------
