@@ -116,6 +116,9 @@ class _Waiter:
                 work.wait()
             except BaseException as err:  # handed back to the waiting thread
                 failure.append(err)
+            # Drop the work before signalling: a work keeps its tensors alive, and a kept
+            # gradient buffer is reused only while nothing else holds its storage.
+            del work
             done.set()
 
 
