@@ -1,12 +1,15 @@
 """Multi-host for real: ``shardwise train`` under torchrun on two "hosts" (network
-namespaces joined by a veth pair, c10d rendezvous), 2 ranks each. Cutting one host's link
-mid-run makes the other host's ranks exit with a named error (the watchdog's
-``CollectiveTimeoutError``, "has not reported ... dead or stopped") within the deadline,
-instead of hanging until gloo's 30 min timeout.
+namespaces joined by a veth pair, c10d rendezvous), 2 ranks each.
+
+Cutting one host's link mid-run makes the other host's ranks exit with a named error (the
+watchdog's ``CollectiveTimeoutError``, "has not reported ... dead or stopped") within the
+deadline, instead of hanging until gloo's 30 min timeout. Bringing the link back and
+relaunching the same command with ``--resume`` (fresh rendezvous port) continues from the
+last committed checkpoint, and the loss of every step from there on is bit-identical to an
+uninterrupted run of the same job (same 2 x 2 layout, so the same world size and threads).
 
 Needs root and ``ip netns``; skipped with the reason otherwise. The test creates and
-removes its namespaces itself. (Resuming from the last checkpoint once the link is back
-waits for the checkpoint/resume options of ``shardwise train``.)
+removes its namespaces itself.
 """
 
 from __future__ import annotations
@@ -22,10 +25,18 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.checkpoint.directory import CheckpointDir
+from shardwise.train.metrics import read_metrics
+
 WATCHDOG_S = 5.0
-PORT = 29731
+PORT = 29731  # the reference run, the cut run and the resumed run each get their own port
 SUBNET = "10.231.7"
 ROOT = Path(__file__).resolve().parent.parent
+STEPS = 60
+EVERY = 3  # --checkpoint-every
+CUT_AFTER = EVERY + 1  # cut once this step is in the metrics: at least one checkpoint committed
+TRAIN = ["--model", "nano", "--steps", str(STEPS), "--batch-size", "2", "--data-bytes", "20000", "--device", "cpu",
+         "--lr-schedule", "cosine", "--warmup-steps", "2"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -53,51 +64,93 @@ class Hosts:
         tag = os.getpid()
         self.names = [f"sw{tag}h0", f"sw{tag}h1"]
         self.links = [f"sw{tag}v0", f"sw{tag}v1"]
-        for ns in self.names:
-            _ip("netns", "add", ns)
-        _ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
-        for i, (ns, link) in enumerate(zip(self.names, self.links)):
-            _ip("link", "set", link, "netns", ns)
-            self.run_in(i, "ip", "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", link)
-            self.run_in(i, "ip", "link", "set", link, "up")
-            self.run_in(i, "ip", "link", "set", "lo", "up")
+        try:
+            for ns in self.names:
+                _ip("netns", "add", ns)
+            _ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+            for i, (ns, link) in enumerate(zip(self.names, self.links)):
+                _ip("link", "set", link, "netns", ns)
+                self.run_in(i, "ip", "addr", "add", self.addr(i) + "/24", "dev", link)
+                self.run_in(i, "ip", "link", "set", link, "up")
+                self.run_in(i, "ip", "link", "set", "lo", "up")
+        except BaseException:
+            self.remove()
+            raise
 
-    def run_in(self, host: int, *cmd: str) -> None:
-        subprocess.run(["ip", "netns", "exec", self.names[host], *cmd], check=True, capture_output=True, timeout=20)
+    @staticmethod
+    def addr(host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    def run_in(self, host: int, *cmd: str) -> str:
+        done = subprocess.run(["ip", "netns", "exec", self.names[host], *cmd], check=True, capture_output=True,
+                              text=True, timeout=20)
+        return done.stdout
 
     def cut(self, host: int) -> None:
         self.run_in(host, "ip", "link", "set", self.links[host], "down")
 
+    def bring_back(self, host: int) -> None:
+        """Undo :meth:`cut`: the link up again, its address re-added if it went with the link."""
+        link = self.links[host]
+        if self.addr(host) + "/" not in self.run_in(host, "ip", "-o", "addr", "show", "dev", link):
+            self.run_in(host, "ip", "addr", "add", self.addr(host) + "/24", "dev", link)
+        self.run_in(host, "ip", "link", "set", link, "up")
+        deadline = time.monotonic() + 10
+        while "LOWER_UP" not in self.run_in(host, "ip", "-o", "link", "show", "dev", link):
+            assert time.monotonic() < deadline, f"{link} did not come back up"
+            time.sleep(0.1)
+
     def remove(self) -> None:
-        for ns in self.names:
+        for ns in self.names:  # deleting a namespace deletes the veth end in it, and so the pair
             _ip("netns", "del", ns, check=False)
 
 
-def _torchrun(hosts: Hosts, host: int, log: Path) -> subprocess.Popen:
+def _torchrun(hosts: Hosts, host: int, log: Path, port: int, *train_args: str) -> subprocess.Popen:
     cmd = [
         "ip", "netns", "exec", hosts.names[host],
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "0",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{SUBNET}.1:{PORT}", "--rdzv-id", "i16",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addr(0)}:{port}", "--rdzv-id", f"i16-{port}",
         "--rdzv-conf", f"is_host={'true' if host == 0 else 'false'}",
-        "--local-addr", f"{SUBNET}.{host + 1}",
-        "-m", "shardwise", "train", "--steps", "100000", "--model", "tiny", "--batch-size", "2",
-        "--data-bytes", "200000", "--device", "cpu",
+        "--local-addr", hosts.addr(host),
+        "-m", "shardwise", "train", "-v", *TRAIN, *train_args,
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME=hosts.links[host], OMP_NUM_THREADS="1",
                SHARDWISE_WATCHDOG_S=str(WATCHDOG_S), PYTHONUNBUFFERED="1")
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def _wait_for(pattern: str, log: Path, timeout: float, procs) -> None:
+def _job(hosts: Hosts, logs: list[Path], port: int, *train_args: str) -> list[subprocess.Popen]:
+    return [_torchrun(hosts, h, logs[h], port, *train_args) for h in (0, 1)]
+
+
+def _tail(*logs: Path, n: int = 3000) -> str:
+    return "\n".join(f"--- {log.name}:\n{log.read_text(errors='replace')[-n:]}" for log in logs if log.exists())
+
+
+def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:
+    """Wait for both hosts' torchrun to exit 0."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if re.search(pattern, log.read_text(errors="replace")):
+    for proc in procs:
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the job did not finish within {timeout} s:\n{_tail(*logs)}") from None
+        assert code == 0, _tail(*logs)
+
+
+def _wait_for_step(step: int, metrics: Path, timeout: float, procs, logs) -> None:
+    def logged() -> bool:
+        return metrics.exists() and max(read_metrics(metrics), default=0) >= step
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not any(p.poll() is not None for p in procs):
+        if logged():
             return
-        if any(p.poll() is not None for p in procs):
-            break
-        time.sleep(0.2)
-    raise AssertionError(f"no {pattern!r} in {log} within {timeout} s:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.05)
+    if logged():  # logged just before a process ended
+        return
+    raise AssertionError(f"step {step} not in {metrics} within {timeout} s:\n{_tail(*logs)}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -106,27 +159,72 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def test_cut_link_makes_the_surviving_host_exit_with_a_named_error(tmp_path):
+def _losses(metrics: Path) -> dict[int, float]:
+    return {step: record["loss"] for step, record in read_metrics(metrics).items()}
+
+
+def test_cut_link_gives_a_named_error_and_the_job_resumes_once_it_is_back(tmp_path):
     reason = _namespaces_unavailable()
     if reason:
         pytest.skip(reason)
+    ckpts, ref, run, resumed = (tmp_path / n for n in ("ckpts", "ref.jsonl", "run.jsonl", "resumed.jsonl"))
+    logs = {name: [tmp_path / f"{name}-h0.log", tmp_path / f"{name}-h1.log"] for name in ("ref", "cut", "resume")}
     hosts = Hosts()
-    logs = [tmp_path / "h0.log", tmp_path / "h1.log"]
-    procs = []
+    procs: list[subprocess.Popen] = []
     try:
-        procs = [_torchrun(hosts, h, logs[h]) for h in (0, 1)]
-        _wait_for(r"\b1/100000\b", logs[0], 150, procs)  # rank 0 finished step 1
-        time.sleep(1.0)
+        # 1. The uninterrupted reference: the same 2 x 2 job, no checkpoints, no cut.
+        procs = _job(hosts, logs["ref"], PORT, "--metrics", str(ref))
+        _finish(procs, logs["ref"], 240)
+        reference = _losses(ref)
+        assert sorted(reference) == list(range(1, STEPS + 1))
+
+        # 2. The same job with checkpoints; cut host 1's link once a checkpoint is committed.
+        procs = _job(hosts, logs["cut"], PORT + 1, "--metrics", str(run), "--checkpoint-dir", str(ckpts),
+                     "--checkpoint-every", str(EVERY))
+        _wait_for_step(CUT_AFTER, run, 150, procs, logs["cut"])
         cut_at = time.monotonic()
         hosts.cut(1)
-        code = procs[0].wait(timeout=WATCHDOG_S * 6 + 30)
-        exited_after = time.monotonic() - cut_at
-        output = logs[0].read_text(errors="replace")
+        try:
+            code = procs[0].wait(timeout=WATCHDOG_S * 6 + 30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"host 0 still running after the cut:\n{_tail(*logs['cut'])}") from None
+        detected_s = time.monotonic() - cut_at
+        output = logs["cut"][0].read_text(errors="replace")
         assert code != 0, output[-3000:]
         assert "CollectiveTimeoutError" in output, output[-4000:]
         assert re.search(r"rank [23] has not reported for \d+ s: dead or stopped", output), output[-4000:]
-        assert exited_after < WATCHDOG_S * 6 + 30, exited_after
-        print(f"survivors exited {exited_after:.1f} s after the cut:", re.search(r"CollectiveTimeoutError: .*", output).group(0))
+        before_cut = _losses(run)
+        assert before_cut and max(before_cut) < STEPS, "the job ended before the cut: raise STEPS"
+        # The cut host cannot reach the store on host 0; its job is gone with its node.
+        for proc in procs:
+            _stop(proc)
+
+        # 3. The link back, the same command with --resume on a fresh rendezvous port.
+        latest = CheckpointDir(ckpts).latest()
+        assert latest is not None, f"no checkpoint committed before the cut: {sorted(os.listdir(ckpts))}"
+        last_ckpt = int(latest.name.split("-")[1])
+        # blocking saves: step k is logged after its checkpoint is committed
+        assert last_ckpt >= max(before_cut) // EVERY * EVERY > 0, (last_ckpt, max(before_cut))
+        hosts.bring_back(1)
+        back_at = time.monotonic()
+        procs = _job(hosts, logs["resume"], PORT + 2, "--metrics", str(resumed), "--checkpoint-dir", str(ckpts),
+                     "--checkpoint-every", str(EVERY), "--resume")
+        _wait_for_step(last_ckpt + 1, resumed, 150, procs, logs["resume"])
+        first_step_s = time.monotonic() - back_at
+        _finish(procs, logs["resume"], 240)
+        resume_s = time.monotonic() - back_at
+        resume_logs = "".join(log.read_text(errors="replace") for log in logs["resume"])
+        said = set(re.findall(r"resumed from \S+ \(step (\d+), saved by 4 ranks\)", resume_logs))
+        assert said == {str(last_ckpt)}, _tail(*logs["resume"])
+        after = _losses(resumed)
+        assert sorted(after) == list(range(last_ckpt + 1, STEPS + 1)), sorted(after)
+        # bit for bit (== on floats): the resumed steps, and the steps run before the cut
+        assert after == {s: reference[s] for s in after}
+        assert before_cut == {s: reference[s] for s in before_cut}
+        print(f"\nsurvivors exited {detected_s:.1f} s after the cut:",
+              re.search(r"CollectiveTimeoutError: .*", output).group(0))
+        print(f"resumed from step {last_ckpt} (cut after step {max(before_cut)} was logged); link back -> "
+              f"first resumed step logged in {first_step_s:.1f} s, all {STEPS - last_ckpt} done in {resume_s:.1f} s")
     finally:
         for proc in procs:
             _stop(proc)
