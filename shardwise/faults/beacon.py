@@ -12,6 +12,7 @@ knows. One beacon per rank (ranks can be threads of one process), on the current
 
 from __future__ import annotations
 
+import atexit
 import logging
 import pickle
 import threading
@@ -52,10 +53,10 @@ class Beacon:
         self.checking = False
         self._stop = threading.Event()
         self.publish()
-        thread = threading.Thread(
+        self._thread = threading.Thread(
             target=_beat, args=(weakref.ref(self), self._stop, interval), name=f"shardwise-beacon-{rank}", daemon=True
         )
-        thread.start()
+        self._thread.start()
 
     def status(self) -> RankStatus:
         return RankStatus(self.rank, time.time(), self.waiting, self.waiting_since, self.checking)
@@ -79,8 +80,12 @@ class Beacon:
         found = {r: pickle.loads(v) for r, v in zip(present, values)}
         return {r: found.get(r) for r in ranks}
 
-    def stop(self) -> None:
+    def stop(self, join_timeout: float | None = None) -> None:
+        """Stop beating; with ``join_timeout``, also wait (that long at most) for the thread
+        to leave any store call it is in."""
         self._stop.set()
+        if join_timeout is not None and self._thread is not threading.current_thread():
+            self._thread.join(join_timeout)
 
 
 def _beat(ref: "weakref.ref[Beacon]", stop: threading.Event, interval: float) -> None:
@@ -97,6 +102,16 @@ def _beat(ref: "weakref.ref[Beacon]", stop: threading.Event, interval: float) ->
 
 
 _BEACONS: dict[int, Beacon] = {}  # global rank -> its beacon (ranks may be threads of one process)
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    """Join every beacon thread before the interpreter tears down: a daemon thread still
+    inside a c10d store call (the GIL released) while the store is destroyed under it ends
+    the process in ``std::terminate`` ("terminate called without an active exception")."""
+    for beacon in list(_BEACONS.values()):
+        beacon.stop(join_timeout=beacon.interval + 5.0)
+    _BEACONS.clear()
 
 
 def beacon_for(interval: float) -> Beacon:
