@@ -36,6 +36,13 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     return dist.all_gather_single(output, input, group=group, async_op=async_op)
 
 
+def work_is_completed(work) -> bool:
+    """Whether a collective's work handle says it completed; False while in flight and for a
+    handle that cannot say (a custom comm's work without ``is_completed``)."""
+    check = getattr(work, "is_completed", None)
+    return bool(check()) if callable(check) else False
+
+
 def copy_in(slot: torch.Tensor, shards: list[torch.Tensor], widths: list[int]) -> None:
     """Lay the padded ``shards`` back to back into ``slot`` (P,), each into ``widths[i]`` of
     the slot's units: our input of an in-place all-gather (FSDP2's copy-in).

@@ -33,6 +33,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from shardwise.collectives import work_is_completed
+
 __all__ = ["trace", "Trace", "TraceEvent", "CommSpan"]
 
 
@@ -127,7 +129,7 @@ class Trace:
         """``work.wait()``, recording the blocked span against the collective's record."""
         _, span = self._in_flight.pop(id(work), (None, None))
         start = time.monotonic_ns()
-        if span is not None and span.done_ns is None and work is not None and _is_completed(work):
+        if span is not None and span.done_ns is None and work is not None and work_is_completed(work):
             span.done_ns = start
         work.wait()
         end = time.monotonic_ns()
@@ -168,11 +170,6 @@ class _NeverDone:
     @staticmethod
     def is_completed() -> bool:
         return False
-
-
-def _is_completed(work) -> bool:
-    check = getattr(work, "is_completed", None)
-    return bool(check()) if callable(check) else False
 
 
 _ACTIVE: Trace | None = None

@@ -227,22 +227,29 @@ def _mse(model: nn.Module, batch: tuple) -> torch.Tensor:
     return F.mse_loss(model(x), y)
 
 
+def _spmd_copies(mesh, *appliers) -> tuple[nn.Module, ...]:
+    """One seeded SpmdStack as a plain replica (grads averaged over every rank) and, per
+    ``(apply_fn, dp_mesh_dims)``, a copy distributed on ``mesh`` with ``apply_fn`` on each
+    layer and then the root."""
+    torch.manual_seed(0)
+    base = SpmdStack()
+    copies = [copy.deepcopy(base)]
+    for apply_fn, dims in appliers:
+        model = _distribute(copy.deepcopy(base), mesh)
+        for layer in model.layers:
+            apply_fn(layer, mesh=mesh, dp_mesh_dims=dims)
+        copies.append(apply_fn(model, mesh=mesh, dp_mesh_dims=dims))
+    return tuple(copies)
+
+
 def _dp_mesh_dims(names: tuple[str, str]) -> list[float]:
     _quiet_redistribute_warnings()
     mesh = make_mesh((2, 2), names)
-    torch.manual_seed(0)
-    base = SpmdStack()
-    ref = copy.deepcopy(base)  # a plain replica: its grads are averaged over every rank
-    copies = []
-    for fully_shard_fn, dims in (
+    ref, ours, theirs = _spmd_copies(
+        mesh,
         (shardwise.fully_shard, shardwise.DataParallelMeshDims(shard="dp")),
         (torch_fully_shard, TorchDataParallelMeshDims(shard="dp")),
-    ):
-        model = _distribute(copy.deepcopy(base), mesh)
-        for layer in model.layers:
-            fully_shard_fn(layer, mesh=mesh, dp_mesh_dims=dims)
-        copies.append(fully_shard_fn(model, mesh=mesh, dp_mesh_dims=dims))
-    ours, theirs = copies
+    )
     for name, p in ours.named_parameters():
         leaf = _leaf_name(name)
         expected = _on_mesh(names, _sharded_dp_placement(names, leaf), SPMD_TP[leaf])
@@ -293,19 +300,11 @@ def _replicate_dp_mesh_dims() -> list[float]:
 
     _quiet_redistribute_warnings()
     mesh = make_mesh((2, 2), ("dp", "tp"))
-    torch.manual_seed(0)
-    base = SpmdStack()
-    ref = copy.deepcopy(base)
-    copies = []
-    for replicate_fn, dims in (
+    ref, ours, theirs = _spmd_copies(
+        mesh,
         (shardwise.replicate, shardwise.DataParallelMeshDims(replicate="dp")),
         (torch_replicate, TorchDataParallelMeshDims(replicate="dp")),
-    ):
-        model = _distribute(copy.deepcopy(base), mesh)
-        for layer in model.layers:
-            replicate_fn(layer, mesh=mesh, dp_mesh_dims=dims)
-        copies.append(replicate_fn(model, mesh=mesh, dp_mesh_dims=dims))
-    ours, theirs = copies
+    )
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         assert p.placements == q.placements, f"{name}: {p.placements}, torch's {q.placements}"
     gen = generator(mesh.get_local_rank("dp"))

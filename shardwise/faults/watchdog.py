@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 
+from shardwise.collectives import work_is_completed
 from shardwise.faults.errors import CollectiveFailedError, CollectiveTimeoutError
 from shardwise.faults.ledger import Ledger
 from shardwise.faults.records import Position, RankStatus, describe_position
@@ -54,10 +55,7 @@ class WatchedWork:
     def is_completed(self) -> bool:
         """True once done; False while in flight or when the handle cannot say (a custom comm's
         work without ``is_completed``), as for any unpollable c10d work."""
-        if self._work is None:
-            return True
-        check = getattr(self._work, "is_completed", None)
-        return bool(check()) if callable(check) else False
+        return self._work is None or work_is_completed(self._work)
 
     def wait(self, timeout=None) -> bool:
         work, self._work = self._work, None
