@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from typing import Any, Callable, NoReturn
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise.collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
+from shardwise.dynamo_compat import bind_untraced
 from shardwise.group import ParamGroup
 from shardwise.state import ModuleState, get_state
 
@@ -362,6 +364,11 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     For methods such as ``generate`` or ``forward_features`` that call submodules directly.
     A no-op for modules that fully_shard was not applied to.
+
+    Under ``torch.compile`` the hooks run eagerly and the method's body is compiled: the
+    wrapper is a frame Dynamo skips (:func:`~shardwise.dynamo_compat.bind_untraced`), so
+    entering it costs no graph break, and a root method whose body calls no other sharded
+    module compiles with ``fullgraph=True``.
     """
     if not isinstance(module, FSDPModule):
         return
@@ -370,13 +377,19 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(module, method_name)
     state = get_state(module)
 
-    @functools.wraps(method)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def with_hooks(_bound_to: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # `module`, not `_bound_to` (they differ only in a deepcopy, which rebinds): the
+        # state and the method belong to `module`.
         args, kwargs = state.pre_forward_hook(module, args, kwargs)
         output = method(*args, **kwargs)
         return state.post_forward_hook(module, args, kwargs, output)
 
-    setattr(module, method_name, wrapped)
+    functools.update_wrapper(with_hooks, method)
+    # inspect.signature of the bound wrapper drops `self`: give it the method's parameters.
+    signature = inspect.signature(method)
+    self_param = inspect.Parameter("_bound_to", inspect.Parameter.POSITIONAL_ONLY)
+    with_hooks.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
+    setattr(module, method_name, bind_untraced(with_hooks, module))
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

@@ -8,6 +8,13 @@
 - Graph count and graph breaks per step, counted by Dynamo itself
   (``CompileCounterWithBackend``, ``torch._dynamo.utils.counters``), are at most torch
   FSDP2's on the same model and recipe, measured in the same ranks.
+- The same for a method registered with ``register_fsdp_forward_method`` and compiled
+  (``torch.compile(model.logits)``, or a compiled model whose forward calls a sharded
+  block's registered ``mix``): the method's body is compiled, its hooks are not, and it
+  trains bit-identically to eager. Under ``fullgraph=True`` a registered method of a root
+  whose body calls no other sharded module compiles into one graph; torch raises
+  ``Unsupported`` there. With sharded blocks inside the body both raise ``Unsupported``
+  (their hooks cannot be in the graph).
 
 Each rank function resets Dynamo before and after, so compiled code never leaks into
 another test that shares the warm rank pool.
@@ -16,6 +23,7 @@ another test that shares the warm rank pool.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -24,15 +32,47 @@ import torch.nn as nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp import register_fsdp_forward_method as torch_register_method
 from torch.distributed.tensor import DTensor
 
 import shardwise
-from _models import Transformer, lm_loss, rank_generator, token_batch
+from _models import Block, Transformer, lm_loss, rank_generator, token_batch
 from shardwise.testing import run_on_ranks
 
 TIMEOUT = 120  # Dynamo compiles in every rank of a shared 2-core machine
 DIMS = dict(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8, ffn_hidden=32)
 STEPS = 3
+
+
+# ---------------------------------------------------------------- models with a second entry point
+
+
+class MixBlock(Block):
+    """A block with a registered entry point, ``mix``: the forward body, reached without
+    ``__call__`` (so without the hooks fully_shard put on the block)."""
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+
+class MethodTransformer(Transformer):
+    """``logits``: the forward as a second entry point on the root (generate-style);
+    ``forward`` reaches each block through its ``mix``."""
+
+    def __init__(self, **dims):
+        super().__init__(**dims)
+        blocks = (MixBlock(dims["dim"], dims["n_heads"], dims["ffn_hidden"]) for _ in range(dims["n_layers"]))
+        self.layers = nn.ModuleList(blocks)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.size(1), device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)  # (b, s, dim)
+        for layer in self.layers:
+            h = layer.mix(h)
+        return self.output(self.norm(h))  # (b, s, vocab)
 
 
 # ---------------------------------------------------------------- helpers (run on the ranks)
@@ -132,6 +172,104 @@ def _counts_side_by_side(recipes: list[tuple[str, bool]]) -> dict:
     }
 
 
+LIBS = {"shardwise": (shardwise.fully_shard, shardwise.register_fsdp_forward_method)}
+LIBS["torch"] = (torch_fully_shard, torch_register_method)
+
+
+def _method_model(lib: str, entry: str, backend, fullgraph: bool = False):
+    """A sharded :class:`MethodTransformer` and its compiled entry point (tokens -> logits).
+
+    ``root``: blocks and root sharded, ``torch.compile(model.logits)``; ``root_only``: only
+    the root sharded, the same call; ``child``: blocks and root sharded, each block's ``mix``
+    registered, ``torch.compile(model)``.
+    """
+    fully_shard_fn, register = LIBS[lib]
+    torch.manual_seed(0)
+    model = MethodTransformer(**DIMS)
+    for block in model.layers if entry != "root_only" else ():
+        fully_shard_fn(block)
+    fully_shard_fn(model)
+    for owner in model.layers if entry == "child" else [model]:
+        register(owner, "mix" if entry == "child" else "logits")
+    call = torch.compile(_eager_entry(model, entry), backend=backend, fullgraph=fullgraph)
+    return model, call
+
+
+def _eager_entry(model: MethodTransformer, entry: str):
+    return model if entry == "child" else model.logits
+
+
+def _logits_loss(call, tokens: torch.Tensor) -> torch.Tensor:
+    logits = call(tokens[:, :-1])  # (b, s, vocab)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _method_counts(lib: str, entry: str) -> tuple[int, int]:
+    """(graphs compiled, graph breaks) over two training steps through the compiled entry."""
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CompileCounterWithBackend("eager")
+    model, call = _method_model(lib, entry, backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = rank_generator()
+    for _ in range(2):
+        _logits_loss(call, token_batch(gen, DIMS["vocab_size"], seq_len=DIMS["max_seq_len"])).backward()
+        opt.step()
+        opt.zero_grad()
+    result = (backend.frame_count, sum(counters["graph_break"].values()))
+    torch._dynamo.reset()
+    return result
+
+
+def _method_parity(entry: str, fullgraph: bool) -> dict:
+    """The compiled entry (aot_eager) against the same entry run eagerly: bit-identical losses,
+    parameters and gradients every step."""
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CompileCounterWithBackend("aot_eager")
+    compiled, call = _method_model("shardwise", entry, backend, fullgraph)
+    eager, _ = _method_model("shardwise", entry, None)
+    calls = (call, _eager_entry(eager, entry))
+    for method, params in [(eager.layers[0].mix, ["x"]), (eager.logits, ["tokens"])]:  # the wrapper keeps them
+        assert list(inspect.signature(method).parameters) == params, inspect.signature(method)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (compiled, eager)]
+    gen = rank_generator()
+    for step in range(STEPS):
+        batch = token_batch(gen, DIMS["vocab_size"], seq_len=DIMS["max_seq_len"])
+        losses = []
+        for fn in calls:
+            loss = _logits_loss(fn, batch)
+            loss.backward()
+            losses.append(loss.detach())
+        _assert_same_bits(step, compiled, eager, tuple(losses))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    _assert_same_bits(STEPS, compiled, eager, None)
+    result = dict(graphs=backend.frame_count, ops=backend.op_count, breaks=sum(counters["graph_break"].values()))
+    torch._dynamo.reset()
+    return result
+
+
+def _fullgraph_errors(entry: str) -> dict:
+    """Which exception ``fullgraph=True`` raises on the first step, per library (None: none)."""
+    errors = {}
+    for lib in LIBS:
+        torch._dynamo.reset()
+        _, call = _method_model(lib, entry, "eager", fullgraph=True)
+        try:
+            _logits_loss(call, token_batch(rank_generator(), DIMS["vocab_size"], seq_len=DIMS["max_seq_len"]))
+            errors[lib] = None
+        except torch._dynamo.exc.Unsupported as e:
+            errors[lib] = type(e).__name__
+    torch._dynamo.reset()
+    return errors
+
+
+def _method_counts_side_by_side(entries: list[str]) -> dict:
+    return {entry: {lib: _method_counts(lib, entry) for lib in LIBS} for entry in entries}
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -149,3 +287,31 @@ def test_graphs_and_breaks_per_step_at_most_torchs():
             (graphs, breaks), (torch_graphs, torch_breaks) = counts["shardwise"], counts["torch"]
             assert graphs >= 1, f"{recipe}: nothing was compiled ({counts})"
             assert graphs <= torch_graphs and breaks <= torch_breaks, f"{recipe}: {counts}"
+
+
+def test_registered_method_graphs_and_breaks_at_most_torchs():
+    """Two steps, (graphs, breaks). With the wrapper traced (hooks called from it): root
+    (1, 4) against torch's (1, 2), child (1, 2) against (1, 0). Untraced: (1, 1) and (1, 0)."""
+    for result in run_on_ranks(_method_counts_side_by_side, 2, ["root", "child"], timeout=TIMEOUT):
+        for entry, counts in result.items():
+            (graphs, breaks), (torch_graphs, torch_breaks) = counts["shardwise"], counts["torch"]
+            assert graphs >= 1, f"{entry}: nothing was compiled ({counts})"
+            assert graphs <= torch_graphs and breaks <= torch_breaks, f"{entry}: {counts}"
+
+
+@pytest.mark.parametrize("entry,fullgraph", [("root_only", True), ("child", False)])
+def test_registered_method_trains_bit_identically_to_eager(entry, fullgraph):
+    """``root_only``: the whole body in one graph; ``child``: the compiled model's forward
+    falls back to eager (a loop over sharded blocks, as in torch), the blocks' ``mix``
+    bodies compile into one graph."""
+    for result in run_on_ranks(_method_parity, 2, entry, fullgraph, timeout=TIMEOUT):
+        assert result["graphs"] == 1 and result["breaks"] == 0 and result["ops"] > 0, result
+
+
+def test_registered_method_under_fullgraph():
+    """torch raises where the registered method's own hooks would be traced; shardwise never
+    traces them. Sharded blocks called inside the body break both (their hooks run eagerly)."""
+    for result in run_on_ranks(_fullgraph_errors, 2, "root_only", timeout=TIMEOUT):
+        assert result == {"shardwise": None, "torch": "Unsupported"}, result
+    for result in run_on_ranks(_fullgraph_errors, 2, "root", timeout=TIMEOUT):
+        assert result["shardwise"] == result["torch"] == "Unsupported", result
