@@ -5,6 +5,11 @@ page-faults on every 4 KiB: on the GPT-small benchmark, packing replicate's grad
 into new buffers took 12.5 ms of a 290 ms step, 6,100 faults, against about 5 ms and
 400 faults into memory already touched. DDP avoids it with buckets allocated once.
 
+Only host memory is kept. On an accelerator the caching allocator already hands freed
+blocks back without touching the OS, and a kept buffer would hold a gradient's worth of
+memory through the next forward (measured on an H100, world size 1: +7% peak on
+GPT-small and medium, against torch FSDP2's): there ``get`` always allocates.
+
 Reuse must never change a tensor somebody still holds, so the buffer is handed out again
 only when its storage has no user besides the buffer itself: no gradient view of it is
 alive (``zero_grad(set_to_none=True)`` dropped them all, and no user or optimizer kept a
@@ -36,6 +41,8 @@ class ReusableBuffer:
 
         The contents are unspecified: the caller overwrites every element.
         """
+        if torch.device(device).type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
         kept = self._tensor
         if kept is not None and self._fits(kept, numel, dtype, device) and _storage_users(kept) == self._users_when_free:
             return kept

@@ -30,10 +30,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# torch 2.13's names; the same c10d ops as all_gather_into_tensor / reduce_scatter_tensor,
+# which older builds (the torch 2.11 of a lent GPU machine) have alone.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
     """All-gather ``input`` (P,) from every rank into ``output`` (N*P,), rank-major."""
     comm_stats.record("all_gather", _nbytes(output), dist.get_world_size(group))
-    return dist.all_gather_single(output, input, group=group, async_op=async_op)
+    return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def work_is_completed(work) -> bool:
@@ -160,7 +166,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.Proces
     n = dist.get_world_size(group)
     if not use_all_to_all_reduce(group):
         comm_stats.record("reduce_scatter", _nbytes(input), n)
-        return dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     comm_stats.record("all_to_all", _nbytes(input), n)
     handle = _all_to_all_reduce(output, input.view(n, -1), dist.get_rank(group), group)
     if async_op:

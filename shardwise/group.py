@@ -319,17 +319,24 @@ class ParamGroup:
         read, and our own output buffer (a custom comm's output is its own memory: left to
         it; the unsharded segment a one-param group gathers into is the result)."""
         scratch = [] if post_forward_shard is None else [post_forward_shard]
-        if gathered is not self._segments[0] and isinstance(self.all_gather_comm, collectives.DefaultAllGather):
+        if not self._lands_unsharded(gathered) and isinstance(self.all_gather_comm, collectives.DefaultAllGather):
             scratch.append(gathered)
         return scratch
 
     def _gather_output(self, n: int) -> torch.Tensor:
-        # A one-param group gathered over all N ranks lands in its unsharded layout directly.
-        direct = len(self.params) == 1 and n == self.mesh_info.shard_size
+        """Where the all-gather lands. Straight in the unsharded buffer when its layout is the
+        gather's: one param gathered over all N ranks (N rows of it), or a shard size of 1
+        (the one row is every param back to back, in gather order: a cast and a device move,
+        nothing to copy out); else in a buffer of its own, copied out at the wait."""
+        direct = n == self.mesh_info.shard_size and (len(self.params) == 1 or n == 1)
         if direct and isinstance(self.all_gather_comm, collectives.DefaultAllGather):
             self._allocate_unsharded_storage()
-            return self._segments[0]
+            return self._segments[0] if len(self.params) == 1 else self._unsharded_flat
         return self.all_gather_comm.allocate((self._unsharded_flat.numel(),), dtype=self.param_dtype, device=self.device)
+
+    def _lands_unsharded(self, gathered: torch.Tensor) -> bool:
+        """Whether ``gathered`` is the unsharded buffer itself (see :meth:`_gather_output`)."""
+        return gathered is self._segments[0] or gathered is self._unsharded_flat
 
     def _wait_post_optim_event(self) -> None:
         event = self.post_optim_event
@@ -345,7 +352,7 @@ class ParamGroup:
         self._pending_gather = None
         if pending.work is not None:
             tracing.wait(pending.work, "all_gather", self.fqn, self.training_state.value)
-        if pending.gathered is not self._segments[0]:
+        if not self._lands_unsharded(pending.gathered):
             self._allocate_unsharded_storage()
             n = pending.num_shards
             rows = self.mesh_info.shard_size // n  # N/k rows of each param per rank after an int reshard

@@ -154,14 +154,11 @@ class ShardedParam:
         """Copy this rank's unpadded ``chunk`` into a new padded shard on ``device`` (meta
         stays meta), wrap its real rows as the sharded DTensor parameter and register it."""
         self.padded_shard = self._new_padded_shard(chunk, device, pin_memory)
-        dtensor = DTensor.from_local(
-            self._real_rows(),
-            self._spmd_mesh,
-            self.placements(),
-            run_check=False,
-            shape=self.orig_size,
-            stride=self.orig_stride,
-        )
+        # Not DTensor.from_local: it moves a host tensor to the mesh's device, and an
+        # offloaded param's local tensor must stay the (pinned host) padded shard itself.
+        meta = TensorMeta(self.orig_size, self.orig_stride, chunk.dtype)
+        spec = DTensorSpec(self._spmd_mesh, self.placements(), tensor_meta=meta)
+        dtensor = DTensor(self._real_rows(), spec, requires_grad=False)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
         self._refresh_spec()
         self.register_sharded()

@@ -226,11 +226,12 @@ class GradReducer:
             reduced.div_(pending.post_divide)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(reduced)
-        offset = 0
+        shards, offset = [], 0
         for p in pending.params:
-            shard = p.shard_view(reduced[offset : offset + p.padded_numel])  # our real rows
+            shards.append(p.shard_view(reduced[offset : offset + p.padded_numel]))  # our real rows
             offset += p.padded_numel
-            _accumulate_sharded_grad(p, shard)
+        for p, local in zip(pending.params, _to_sharded_devices(pending.params, shards)):
+            _accumulate_sharded_grad(p, local)
         tracing.emit("reduce_done", group.fqn, group.training_state.value)
 
     def _all_reduce_or_defer(self, pending: _PendingReduce) -> _PendingReduce | None:
@@ -298,10 +299,24 @@ def _pack_rank_major(
     return packed
 
 
-def _accumulate_sharded_grad(p: ShardedParam, shard: torch.Tensor) -> None:
-    """Store ``shard`` as ``p``'s sharded DTensor grad, or add it to the existing one."""
+def _to_sharded_devices(params: list[ShardedParam], shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each reduced shard on its sharded param's device and dtype, its values complete.
+
+    Offloaded params (sharded on the host, reduced on a GPU) copy device-to-host without
+    blocking, into pinned memory, then wait once for all of the group's copies: a host
+    tensor handed to ``.grad`` must hold its values, since the optimizer (and ``add_`` into
+    an existing grad) reads it on the host without any stream ordering.
+    """
+    locals_ = [s.to(p.sharded_param.device, p.sharded_param.dtype, non_blocking=True) for p, s in zip(params, shards)]
+    if shards[0].device.type == "cuda" and locals_[0].device.type == "cpu":  # one device per group
+        torch.cuda.current_stream(shards[0].device).synchronize()
+    return locals_
+
+
+def _accumulate_sharded_grad(p: ShardedParam, local: torch.Tensor) -> None:
+    """Store ``local`` (on the sharded param's device, in its dtype) as ``p``'s sharded
+    DTensor grad, or add it to the existing one."""
     sharded = p.sharded_param
-    local = shard.to(sharded.device, sharded.dtype, non_blocking=True)
     if sharded.grad is None:
         sharded.grad = p.to_sharded_dtensor(local)
     else:

@@ -3,7 +3,8 @@
 ``ParamGroup`` and ``GradReducer`` start each collective through :func:`issue`, which
 numbers it in its group's :class:`~shardwise.faults.ledger.Ledger`, runs the order check
 when the step is checked, starts it, and wraps its work handle in a
-:class:`~shardwise.faults.watchdog.WatchedWork`. The root's forward calls
+:class:`~shardwise.faults.watchdog.WatchedWork` (gloo: the host waits), or hands it to
+this rank's :class:`~shardwise.faults.poller.Poller` (NCCL: the host runs ahead). The root's forward calls
 :func:`begin_step`, the end of its backward :func:`end_step`. Unchecked steps cost a dict
 lookup, a counter and a wrapper per collective.
 """
@@ -15,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from shardwise.faults import order_check
+from shardwise.faults import order_check, poller
 from shardwise.faults.ledger import ledger_for
 from shardwise.faults.records import END_OF_STEP, Collective
 from shardwise.faults.settings import current
@@ -41,14 +42,18 @@ def issue(op: str, fqn: str, pg: dist.ProcessGroup, tensor: torch.Tensor, start:
     ledger = ledger_for(pg)
     if ledger is None:
         return start()
+    poller.raise_if_failed(ledger.rank)
     settings = current()
     position = ledger.record(Collective(op, fqn, _phase(), tensor.numel(), tensor.dtype))
     if settings.checks_step(position.step):
         order_check.agree(ledger, position, settings.watchdog_s)
     work = start()
-    if work is None or settings.watchdog_s <= 0 or not ledger.host_waits:
+    if work is None or settings.watchdog_s <= 0:
         return work
-    return WatchedWork(work, ledger, position, settings.watchdog_s)
+    if ledger.host_waits:
+        return WatchedWork(work, ledger, position, settings.watchdog_s)
+    poller.poller_for(ledger.rank, settings.heartbeat_interval).watch(work, pg, ledger, position, settings.watchdog_s)
+    return work
 
 
 def begin_step(groups: Iterable[dist.ProcessGroup]) -> None:
@@ -56,6 +61,7 @@ def begin_step(groups: Iterable[dist.ProcessGroup]) -> None:
     for pg in groups:
         ledger = ledger_for(pg)
         if ledger is not None:
+            poller.raise_if_failed(ledger.rank)
             ledger.begin_step()
 
 

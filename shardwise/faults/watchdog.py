@@ -21,10 +21,8 @@ is never blamed. A custom comm's handle without ``is_completed`` is waited on pl
 Backends: on gloo ``wait()`` blocks the host until the data is there, so the deadline wait
 above is the whole watchdog. On NCCL ``wait()`` only orders the compute stream after the
 collective and returns at once; blocking there would serialise every overlap. There the
-same diagnosis must run from a host-side poller (the beacon thread checking
-``is_completed()`` of the in-flight works against the deadline), which is not built yet:
-:func:`shardwise.faults.monitor.issue` leaves non-gloo works unwatched (the order check,
-which runs before issuing, works on every backend).
+same diagnosis (:func:`peer_report`, :func:`timeout_error`) runs from a host-side thread
+that polls ``is_completed()`` of the in-flight works: :mod:`~shardwise.faults.poller`.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from shardwise.faults.errors import CollectiveFailedError, CollectiveTimeoutErro
 from shardwise.faults.ledger import Ledger
 from shardwise.faults.records import Position, RankStatus, describe_position
 
-__all__ = ["WatchedWork", "diagnose", "peer_report"]
+__all__ = ["WatchedWork", "diagnose", "peer_report", "timeout_error"]
 
 
 class WatchedWork:
@@ -153,10 +151,15 @@ def diagnose(ledger: Ledger, position: Position, waited: float, deadline: float,
     ledger.beacon.publish()
     hang, report = peer_report(ledger, position, stale_after=deadline)
     if hang and not done():
-        raise CollectiveTimeoutError(
-            f"shardwise watchdog: rank {ledger.rank} waited {waited:.1f} s {describe_position(position)} "
-            f"on process group {ledger.name!r} (ranks {ledger.ranks}). {report}"
-        )
+        raise timeout_error(ledger, position, waited, report)
+
+
+def timeout_error(ledger: Ledger, position: Position, waited: float, report: str) -> CollectiveTimeoutError:
+    """The error every rank raises for a hang: what it waited on, and what each peer does."""
+    return CollectiveTimeoutError(
+        f"shardwise watchdog: rank {ledger.rank} waited {waited:.1f} s {describe_position(position)} "
+        f"on process group {ledger.name!r} (ranks {ledger.ranks}). {report}"
+    )
 
 
 def peer_report(ledger: Ledger, position: Position, stale_after: float | None) -> tuple[bool, str]:

@@ -192,7 +192,7 @@ def _check_same_task(task_id: int, rank: int) -> None:
     """All-gather the task id: a barrier that also proves every rank runs the same task."""
     mine = torch.tensor([task_id], dtype=torch.int64)
     everyone = torch.empty(dist.get_world_size(), dtype=torch.int64)
-    dist.all_gather_single(everyone, mine)
+    dist.all_gather_into_tensor(everyone, mine)
     if not bool((everyone == task_id).all()):
         raise RuntimeError(
             f"rank {rank} is starting task {task_id} but the ranks report tasks {everyone.tolist()}: "
