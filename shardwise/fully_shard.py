@@ -2,7 +2,9 @@
 
 Apply it bottom-up: each call manages the parameters of its module(s) that no earlier
 call on a submodule manages, minus ``ignored_params``, and all of them move in one
-all-gather and one reduce-scatter.
+all-gather and one reduce-scatter — per mesh: a ``shard_placement_fn`` returning a
+per-parameter mesh splits the call into one group per distinct mesh (torch's order: by
+each mesh's first parameter), driven by the same hooks.
 """
 
 from __future__ import annotations
@@ -61,7 +63,10 @@ def fully_shard(
             all-gathered again in backward); False keeps them until after backward. None
             (default) means True, except for the root module, which uses False. An int is
             the size of the smaller shard group kept after forward.
-        shard_placement_fn: maps a parameter to the ``Shard(dim)`` to use (None: dim 0).
+        shard_placement_fn: maps a parameter to the ``Shard(dim)`` to use (None: dim 0), or
+            to torch's ``ShardPlacementResult`` (a placement and a per-parameter mesh): the
+            call then makes one group per distinct mesh (each its own all-gather and
+            reduce-scatter, driven by the same hooks), as torch does for MoE experts.
         mp_policy: mixed precision (see :class:`MixedPrecisionPolicy`).
         offload_policy: :class:`OffloadPolicy` (default, none) or :class:`CPUOffloadPolicy`.
         ignored_params: parameters left unmanaged (not sharded, not reduced, not moved).
@@ -94,29 +99,43 @@ def build_state(
     offload_policy: OffloadPolicy,
     ignored_params: set | None,
 ) -> ModuleState:
-    """The pipeline shared by fully_shard and replicate: params → group → state."""
+    """The pipeline shared by fully_shard and replicate: params → groups (one per mesh) → state."""
     params, sites, buffers = _managed_tensors(modules, _ignored_ids(ignored_params))
     placements = [_placement(shard_placement_fn, p, s, mesh_info) for p, s in zip(params, sites)]
-    if placements:
-        mesh_info = _one_mesh(placements, sites, mesh_info)
+    by_mesh = _group_by_mesh(placements, mesh_info)
+    if len(by_mesh) == 1:  # the state's mesh: the call's, or the one mesh every param chose
+        mesh_info = next(iter(by_mesh.values()))[0]
     device = mesh_info.device
     _move_buffers(buffers, device)
-    group = None
     if params:
         init_checks.check_not_sharded_already(params, sites)
-        init_values.check_same_init(
-            mesh_info.shard_group or mesh_info.replicate_group, [s[0].fqn for s in sites], params, "shardwise"
+    groups = []
+    for group_mesh, members in by_mesh.values():
+        group = _build_group(
+            [params[i] for i in members], [sites[i] for i in members], [placements[i][0] for i in members],
+            group_mesh, mp_policy, offload_policy,
         )
-        sharded = [ShardedParam(p, s, mesh_info, dim) for p, s, (dim, _) in zip(params, sites, placements)]
-        group = ParamGroup(sharded, params, mesh_info, device, mp_policy, offload_policy)
         if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
-            group.post_forward = post_forward_group(mesh_info, reshard_after_forward)
-        for p, sp in zip(params, sharded):
-            sp.shared_with = init_checks.claim_original_param(p, sp)
-            init_checks.note_sharded(sp)
-        optimizer_check.note_sharding()
-        register_state_dict_hooks(group)
-    return ModuleState(modules, group, mesh_info, device, mp_policy, reshard_after_forward)
+            group.post_forward = post_forward_group(group_mesh, reshard_after_forward)
+        groups.append(group)
+    return ModuleState(modules, groups, mesh_info, device, mp_policy, reshard_after_forward)
+
+
+def _build_group(
+    params: list, sites: list, dims: list[int], mesh_info: MeshInfo, mp_policy, offload_policy
+) -> ParamGroup:
+    """One group: shard its params over ``mesh_info``, claim the originals, hook state dicts."""
+    init_values.check_same_init(
+        mesh_info.shard_group or mesh_info.replicate_group, [s[0].fqn for s in sites], params, "shardwise"
+    )
+    sharded = [ShardedParam(p, s, mesh_info, dim) for p, s, dim in zip(params, sites, dims)]
+    group = ParamGroup(sharded, params, mesh_info, mesh_info.device, mp_policy, offload_policy)
+    for p, sp in zip(params, sharded):
+        sp.shared_with = init_checks.claim_original_param(p, sp)
+        init_checks.note_sharded(sp)
+    optimizer_check.note_sharding()
+    register_state_dict_hooks(group)
+    return group
 
 
 def _check_modules(module: object, api: str) -> list[nn.Module]:
@@ -288,25 +307,27 @@ def _read_mesh_info(info: object, sites: list[ParamSite]) -> MeshInfo:
     return MeshInfo(mesh, shard_mesh_dim=info.shard_mesh_dim, replicate_mesh_dim=getattr(info, "replicate_mesh_dim", None))
 
 
-def _one_mesh(placements: list[tuple[int, MeshInfo]], sites: list[list[ParamSite]], default: MeshInfo) -> MeshInfo:
-    """The mesh the call's group communicates over: the one every param resolved to.
+def _group_by_mesh(
+    placements: list[tuple[int, MeshInfo]], default: MeshInfo
+) -> dict[tuple, tuple[MeshInfo, list[int]]]:
+    """Param indices per group: one group per distinct mesh (and its shard/replicate dims),
+    in the order of each mesh's first param, as torch orders its param groups.
 
-    torch makes one group per distinct mesh within a call; shardwise has one group per
-    call, so params on different meshes must go through separate calls for now.
+    A per-parameter mesh equal to the call's is the call's (its ``MeshInfo``, e.g. with the
+    post-forward groups of an int ``reshard_after_forward``).
     """
-    meshes = {(info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim): info for _, info in placements}
-    if len(meshes) == 1:
-        info = next(iter(meshes.values()))
-        same = (info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim)
-        return default if same == (default.mesh, default.shard_mesh_dim, default.replicate_mesh_dim) else info
-    by_mesh = {}
-    for (_, info), s in zip(placements, sites):
-        by_mesh.setdefault(str(info.mesh), []).append(s[0].fqn or s[0].name)
-    raise NotImplementedError(
-        f"shard_placement_fn put the parameters of one fully_shard call on {len(meshes)} meshes ({by_mesh}); "
-        "shardwise supports one mesh per call: apply fully_shard to the submodule whose parameters use "
-        "the other mesh first (e.g. fully_shard(block.moe.experts, shard_placement_fn=...)), then to the block"
-    )
+    groups: dict[tuple, tuple[MeshInfo, list[int]]] = {}
+    default_key = _mesh_key(default)
+    for i, (_, info) in enumerate(placements):
+        key = _mesh_key(info)
+        if key not in groups:
+            groups[key] = (default if key == default_key else info, [])
+        groups[key][1].append(i)
+    return groups
+
+
+def _mesh_key(info: MeshInfo) -> tuple:
+    return (info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim)
 
 
 def _move_buffers(buffers: list, device: torch.device) -> None:

@@ -1,4 +1,4 @@
-"""ParamGroup: the parameters of one ``fully_shard`` call, which communicate together.
+"""ParamGroup: the parameters of one ``fully_shard`` call on one mesh, which communicate together.
 
 One unshard is one all-gather for the whole group; one synced backward is one
 reduce-scatter (plus one all-reduce over the replicate dim for HSDP). The group owns:
@@ -55,7 +55,7 @@ class _PendingGather:
 
 
 class ParamGroup:
-    """All params of one fully_shard call: one all-gather, one reduce-scatter."""
+    """All params of one fully_shard call on one mesh: one all-gather, one reduce-scatter."""
 
     params: list[ShardedParam]
     mesh_info: MeshInfo

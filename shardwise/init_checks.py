@@ -19,7 +19,7 @@ import datetime
 import os
 import pickle
 import weakref
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -40,7 +40,7 @@ class CheckedState(Protocol):
 
     modules: tuple[nn.Module, ...]
     fqn: str
-    group: _CheckedGroup | None
+    groups: Sequence[_CheckedGroup]  # one per mesh; empty when the state has no params
     mesh_info: MeshInfo
 
 # Keyed by identity (tensors' __eq__ is elementwise) and weak, so freed params drop out.
@@ -92,19 +92,21 @@ def assign_fqns(root: nn.Module, states: list[CheckedState]) -> None:
     names = {id(module): name for name, module in root.named_modules()}
     for state in states:
         state.fqn = ", ".join(names.get(id(m), type(m).__name__) for m in state.modules)
-        if state.group is None:
-            continue
-        state.group.fqn = state.fqn
-        for p in state.group.params:
+        for group in state.groups:
+            group.fqn = state.fqn  # as torch's module FQN: every group of a call shares it
+        for p in _params(state):
             prefix = names.get(id(p.sites[0].module), "")
             p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
 
 
+def _params(state: CheckedState) -> list[ShardedParam]:
+    """The state's params, group by group."""
+    return [p for group in state.groups for p in group.params]
+
+
 def check_no_param_in_two_groups(states: list[CheckedState]) -> None:
     for state in states:
-        if state.group is None:
-            continue
-        for p in state.group.params:
+        for p in _params(state):
             other = p.shared_with() if p.shared_with is not None else None
             if other is not None:
                 raise ValueError(  # torch's phrase first: users' tests match on it
@@ -118,9 +120,7 @@ def check_no_param_in_two_groups(states: list[CheckedState]) -> None:
 def _signature(states: list[CheckedState]) -> list[tuple]:
     rows = []
     for state in states:
-        if state.group is None:
-            continue
-        for p in state.group.params:
+        for p in _params(state):
             rows.append((p.fqn, tuple(p.orig_size), str(p.sharded_param.dtype)))
     return rows
 

@@ -3,7 +3,7 @@
 ``fully_shard`` swaps a module's class for a generated ``FSDP<Orig>`` that derives from
 :class:`FSDPModule` and the original class, so ``isinstance(m, FSDPModule)`` and
 ``isinstance(m, Orig)`` both hold. Every method here delegates to the module's
-:class:`~shardwise.state.ModuleState` and its :class:`~shardwise.group.ParamGroup`.
+:class:`~shardwise.state.ModuleState` and its :class:`~shardwise.group.ParamGroup` objects (one per mesh).
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share
 
 
 class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``; ``wait()`` finishes the all-gather (idempotent)."""
+    """Returned by ``unshard(async_op=True)``; ``wait()`` finishes the all-gathers of the
+    module's groups (one per mesh; idempotent)."""
 
-    def __init__(self, group: ParamGroup | None):
-        self._group = group
+    def __init__(self, groups: tuple[ParamGroup, ...]):
+        self._groups = groups
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = ()
 
 
 class FSDPModule:
@@ -63,9 +64,22 @@ class FSDPModule:
             raise RuntimeError(f"{type(self).__name__} has no shardwise state; was fully_shard applied to it?")
         return state
 
-    def _groups(self) -> list[ParamGroup]:
-        group = self._shardwise_state().group
-        return [] if group is None else [group]
+    def _groups(self) -> tuple[ParamGroup, ...]:
+        """This call's groups: one per mesh its params resolved to (usually one)."""
+        return self._shardwise_state().groups
+
+    def _single_group_setter(self, setter: str) -> tuple[ParamGroup, ...]:
+        """The groups a per-call comm or hook applies to: refused with several groups, as torch
+        (its words: the setting would be ambiguous across groups with different meshes)."""
+        groups = self._groups()
+        if len(groups) > 1:
+            raise ValueError(
+                f"{setter} is not supported with multiple param groups (from per-param mesh via "
+                f"shard_placement_fn): {type(self).__name__} has {len(groups)}, on meshes "
+                f"{[str(g.mesh_info.mesh) for g in groups]}. The setting would be ambiguous across groups "
+                "with different meshes."
+            )
+        return groups
 
     def _states(self, recurse: bool) -> list[ModuleState]:
         if not recurse:
@@ -95,7 +109,7 @@ class FSDPModule:
         groups = self._groups()
         for group in groups:
             group.unshard(async_op=True)
-        handle = UnshardHandle(groups[0] if groups else None)
+        handle = UnshardHandle(groups)
         if async_op:
             return handle
         handle.wait()
@@ -104,7 +118,7 @@ class FSDPModule:
     # ---- knobs ----------------------------------------------------------------------
 
     def _groups_of(self, recurse: bool) -> list[ParamGroup]:
-        return [s.group for s in self._states(recurse) if s.group is not None]
+        return [group for state in self._states(recurse) for group in state.groups]
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the unsharded params after forward (re-gathered in backward).
@@ -115,8 +129,8 @@ class FSDPModule:
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}")
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
-            if state.group is not None:
-                state.group.reshard_after_forward = reshard_after_forward
+            for group in state.groups:
+                group.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free the unsharded params after backward; False saves the next forward's
@@ -221,14 +235,16 @@ class FSDPModule:
         """Replace the all-gather: ``comm.allocate(size, dtype=, device=)`` makes the output and
         ``comm(output, input, group, async_op)`` runs it."""
         _check_comm(comm, AllGather, "set_custom_all_gather")
-        for group in self._groups():  # overrides process-group allocation, as torch's does
+        # overrides process-group allocation, as torch's does
+        for group in self._single_group_setter("set_custom_all_gather"):
             group.all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Replace the reduce-scatter: ``comm.allocate(...)`` makes the output and
         ``comm(output, input, group, op, async_op)`` runs it (op is always SUM)."""
         _check_comm(comm, ReduceScatter, "set_custom_reduce_scatter")
-        for group in self._groups():  # overrides process-group allocation, as torch's does
+        # overrides process-group allocation, as torch's does
+        for group in self._single_group_setter("set_custom_reduce_scatter"):
             group.reducer.reduce_scatter_comm = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
@@ -236,7 +252,7 @@ class FSDPModule:
         all-reduce and the averaging), before it is stored in ``.grad``."""
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
-        for group in self._groups():
+        for group in self._single_group_setter("set_all_reduce_hook"):
             if stream is not None and group.mesh_info.replicate_size > 1:
                 raise ValueError("stream cannot be set when using native HSDP")
             group.reducer.all_reduce_hook = hook

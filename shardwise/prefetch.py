@@ -26,7 +26,7 @@ The invariants, kept by :class:`ForwardPrefetcher`:
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 
 class _Gatherable(Protocol):
@@ -40,7 +40,7 @@ class PrefetchTarget(Protocol):
     """What the prefetcher needs of a ``state.ModuleState`` (declared here, below
     state.py, so imports flow one way)."""
 
-    group: _Gatherable | None
+    groups: Sequence[_Gatherable]  # one per mesh; empty when the state has no params
 
     def prefetch(self, in_backward: bool = False) -> None: ...
 
@@ -72,7 +72,7 @@ class ForwardPrefetcher:
 
     def enter(self, state: PrefetchTarget) -> None:
         """``state`` entered forward (its first member, once per pass)."""
-        if self.active and state.group is not None:
+        if self.active and state.groups:
             self._order.append(state)
 
     def prefetch_after(self, state: PrefetchTarget) -> None:
@@ -83,7 +83,7 @@ class ForwardPrefetcher:
             state = self._next.get(id(state))
             if state is None:
                 return
-            if not state.group.gathered_or_gathering:
+            if not _gathered_or_gathering(state):
                 self._prefetched.append(state)
                 state.prefetch()
 
@@ -92,7 +92,8 @@ class ForwardPrefetcher:
         ran = {id(s) for s in self._order}
         for state in self._prefetched:
             if id(state) not in ran:
-                state.group.reshard()
+                for group in state.groups:
+                    group.reshard()
         self._prefetched = []
         self.active = False
 
@@ -101,3 +102,11 @@ class ForwardPrefetcher:
         self.active = False
         self._order = []
         self._prefetched = []
+
+
+def _gathered_or_gathering(state: PrefetchTarget) -> bool:
+    """Every group of ``state`` is gathered or gathering (its groups gather together)."""
+    for group in state.groups:
+        if not group.gathered_or_gathering:
+            return False
+    return True

@@ -11,6 +11,14 @@ Per training step, for each state (see ARCHITECTURE.md, "One training step")::
 All states under one root share an :class:`IterationContext` (made at lazy init, on the
 root's first forward): the list of states, the forward order of this iteration, and the
 flag that the end-of-backward callback is queued.
+
+A state owns one :class:`ParamGroup` per distinct mesh its parameters resolved to
+(``shard_placement_fn`` may return a per-parameter mesh: experts on their own mesh next to
+the dense params of a block), in the order of each mesh's first parameter, as torch's
+``_fsdp_param_groups``. Almost always that is one group. Every hook drives all of them:
+forward and pre-backward gather them in order, post-backward reduces them in reverse
+order (torch nests one post-backward trigger per group around the inputs, so the last
+group's fires first), with their reductions all in flight together.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ class IterationContext:
     post_forward_order: list["ModuleState"]  # states in the order their forward finished
     final_callback_queued: bool
     partial_callback_queued: bool  # a standalone (chunked-loss) backward's callback
-    reducing: ParamGroup | None  # the group whose reduction was issued last
+    reducing: list[ParamGroup]  # the groups of the state whose reductions were issued last
     forward_prefetcher: ForwardPrefetcher  # implicit forward prefetch (CPU devices)
 
     is_last_backward: bool  # False: leave reductions in flight at the end of this backward
@@ -62,7 +70,7 @@ class IterationContext:
         self.post_forward_order = []
         self.final_callback_queued = False
         self.partial_callback_queued = False
-        self.reducing = None
+        self.reducing = []
         self.is_last_backward = True
         self.iter_root = None
         self.forward_prefetcher = ForwardPrefetcher()
@@ -90,21 +98,23 @@ class IterationContext:
         """End of a standalone module's backward: finish the reductions it left in flight."""
         self.partial_callback_queued = False
         for state in self.states:
-            if state.group is not None and state.group.training_state == TrainingState.POST_BACKWARD:
-                state.group.finish_reduce()
-        self.reducing = None
+            for group in state.groups:
+                if group.training_state == TrainingState.POST_BACKWARD:
+                    group.finish_reduce()
+        self.reducing.clear()
 
     def _final_callback(self) -> None:
         """End of the iteration's backward: reduce what no trigger reached (the root, whose
         inputs need no grad; modules kept unsharded or prefetched whose outputs never reached
         the loss),
-        wait for every reduction, reshard, go IDLE."""
+        wait for every reduction, reshard, go IDLE. A state's groups in reverse, as its
+        post-backward."""
         for state in self.states:
-            group = state.group
-            if group is None or group.training_state == TrainingState.POST_BACKWARD:
-                continue
-            if group.gathered_or_gathering or group.training_state == TrainingState.PRE_BACKWARD:
-                state.post_backward()
+            for group in state.reversed_groups:
+                if group.training_state == TrainingState.POST_BACKWARD:
+                    continue
+                if group.gathered_or_gathering or group.training_state == TrainingState.PRE_BACKWARD:
+                    state.post_backward_group(group)
         for state in self.states:
             state.finish_iteration(wait_for_reductions=self.is_last_backward)
         self._clear()
@@ -112,7 +122,7 @@ class IterationContext:
 
     def _clear(self) -> None:
         self.post_forward_order.clear()
-        self.reducing = None
+        self.reducing.clear()
         self.final_callback_queued = False
         self.iter_root = None
 
@@ -142,10 +152,11 @@ class _PostBackwardTrigger(torch.autograd.Function):
 
 
 class ModuleState(_State):
-    """Hooks for the module(s) of one fully_shard call, delegating the work to its group."""
+    """Hooks for the module(s) of one fully_shard call, delegating the work to its groups."""
 
     modules: tuple[nn.Module, ...]
-    group: ParamGroup | None  # None when the call manages no parameters
+    groups: tuple[ParamGroup, ...]  # one per mesh, in torch's order; () when no parameters
+    reversed_groups: tuple[ParamGroup, ...]  # the same, last first (post-backward's order)
     mesh_info: MeshInfo
     device: torch.device
     mp_policy: MixedPrecisionPolicy
@@ -157,10 +168,11 @@ class ModuleState(_State):
     pre_forward_hook: Callable  # _pre_forward_hook, never traced by torch.compile (dynamo_compat)
     post_forward_hook: Callable  # _post_forward_hook, likewise
 
-    def __init__(self, modules, group, mesh_info, device, mp_policy, reshard_after_forward):
+    def __init__(self, modules, groups, mesh_info, device, mp_policy, reshard_after_forward):
         super().__init__()
         self.modules = tuple(modules)
-        self.group = group
+        self.groups = tuple(groups)
+        self.reversed_groups = self.groups[::-1]
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
@@ -183,6 +195,17 @@ class ModuleState(_State):
 
     def __repr__(self) -> str:
         return f"ModuleState({self.fqn or type(self.modules[0]).__name__!r}, root={self.is_root})"
+
+    @property
+    def group(self) -> ParamGroup | None:
+        """The one group (None without params), as torch's ``_fsdp_param_group``: raises when
+        the call made several (a per-parameter mesh); use :attr:`groups` then."""
+        if len(self.groups) > 1:
+            raise RuntimeError(
+                f"{self!r} has {len(self.groups)} param groups (one per mesh from shard_placement_fn); "
+                "use state.groups"
+            )
+        return self.groups[0] if self.groups else None
 
     # ---- lazy init --------------------------------------------------------------------
 
@@ -218,10 +241,9 @@ class ModuleState(_State):
         logger.debug("shardwise lazy init: root %s with %d states", self, len(states))
 
     def _resolve_reshard_after_forward(self) -> None:
-        if self.group is None:
-            return
         policy = self.reshard_after_forward
-        self.group.reshard_after_forward = (not self.is_root) if policy is None else policy
+        for group in self.groups:
+            group.reshard_after_forward = (not self.is_root) if policy is None else policy
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -233,26 +255,34 @@ class ModuleState(_State):
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floating(self.mp_policy.param_dtype, (args, kwargs))
         if self._recomputing():
-            if self.group is not None:  # nested modules were resharded after forward
-                self.group.unshard()
-                self.group.wait_for_unshard()
+            self._unshard_and_wait()  # nested modules were resharded after forward
             return args, kwargs
         # A grouped call's later members join the pass the first member opened: one
         # post-backward trigger (one reduction) per pass.
-        entering_pass = self.group is None or self.group.training_state != TrainingState.FORWARD
+        groups = self.groups
+        entering_pass = not groups or groups[0].training_state != TrainingState.FORWARD
         if entering_pass:
             self._enter_forward()
-        if self.group is not None:
-            self.group.training_state = TrainingState.FORWARD
-            self.group.unshard(async_op=True)
-            self._prefetch_forward()  # queued behind our own all-gather, before we wait for it
-            self.group.wait_for_unshard()
+        if groups:
+            for group in groups:
+                group.training_state = TrainingState.FORWARD
+                group.unshard(async_op=True)
+            self._prefetch_forward()  # queued behind our own all-gathers, before we wait for them
+            for group in groups:
+                group.wait_for_unshard()
         if torch.is_grad_enabled():
             if self.ctx.iter_root is None:
                 self.ctx.iter_root = self
             if entering_pass:
                 args, kwargs = self._wrap_post_backward_trigger(args, kwargs)
         return args, kwargs
+
+    def _unshard_and_wait(self) -> None:
+        """Gather every group (all-gathers issued in order, then waited on in order)."""
+        for group in self.groups:
+            group.unshard(async_op=True)
+        for group in self.groups:
+            group.wait_for_unshard()
 
     def _enter_forward(self) -> None:
         prefetcher = self.ctx.forward_prefetcher
@@ -276,7 +306,7 @@ class ModuleState(_State):
     def _wrap_post_backward_trigger(self, args: tuple, kwargs: dict):
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not positions or self.group is None:
+        if not positions or not self.groups:
             return args, kwargs
         outputs = _PostBackwardTrigger.apply(weakref.ref(self), *(flat[i] for i in positions))
         for i, out in zip(positions, outputs):
@@ -292,9 +322,10 @@ class ModuleState(_State):
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         if self._recomputing():
             return _cast_floating(self.mp_policy.output_dtype, output) if self.mp_policy.output_dtype else output
-        if self.group is not None and self._last_member_ran(module):
-            self.group.post_forward_reshard()
-            self.group.training_state = TrainingState.IDLE
+        if self.groups and self._last_member_ran(module):
+            for group in self.groups:
+                group.post_forward_reshard()
+                group.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             self._post_forward_indices.append(len(self.ctx.post_forward_order))
             self.ctx.post_forward_order.append(self)
@@ -313,11 +344,11 @@ class ModuleState(_State):
         members (a chunked-loss head): reshard per policy; later standalone member calls
         then keep the params gathered until backward."""
         for state in self.ctx.states:
-            group = state.group
-            if state is self or group is None or len(state._members_to_run) in (0, len(state.modules)):
+            if state is self or not state.groups or len(state._members_to_run) in (0, len(state.modules)):
                 continue
-            group.post_forward_reshard()
-            group.training_state = TrainingState.IDLE
+            for group in state.groups:
+                group.post_forward_reshard()
+                group.training_state = TrainingState.IDLE
             state._members_to_run = {id(m) for m in state.modules}
 
     def _last_member_ran(self, module: nn.Module) -> bool:
@@ -332,15 +363,18 @@ class ModuleState(_State):
 
     def _pre_backward(self, *unused: Any) -> None:
         self.ctx.queue_final_callback(self)
-        if self.group is None:
+        groups = self.groups
+        if not groups:
             return
-        self.group.training_state = TrainingState.PRE_BACKWARD
-        reducing = self.ctx.reducing
-        if reducing is not None and reducing is not self.group and reducing.reducer.holds_receive_buffer:
-            reducing.finish_reduce()  # its receive buffer never meets our copy-out (the step's peak)
-        if self.group.unshard_in_backward:
-            self.group.unshard()
-            self.group.wait_for_unshard()
+        for group in groups:
+            group.training_state = TrainingState.PRE_BACKWARD
+        for reducing in self.ctx.reducing:  # their receive buffers never meet our copy-out (the peak)
+            if reducing not in groups and reducing.reducer.holds_receive_buffer:
+                reducing.finish_reduce()
+        for group in groups:
+            if group.unshard_in_backward:
+                group.unshard()
+                group.wait_for_unshard()
         self._prefetch_backward()  # after our copy-out: its gather buffer never coexists with ours
 
     def _prefetch_backward(self) -> None:
@@ -355,50 +389,54 @@ class ModuleState(_State):
             self.ctx.post_forward_order[index - 1].prefetch(in_backward=True)
 
     def prefetch(self, in_backward: bool = False) -> None:
-        """Start this state's all-gather without waiting (forward/backward prefetch)."""
-        group = self.group
-        if group is None or (in_backward and not group.unshard_in_backward):
-            return
-        group.unshard(async_op=True)
+        """Start this state's all-gathers without waiting (forward/backward prefetch); in
+        backward the last group first, as torch prefetches them."""
+        for group in self.reversed_groups if in_backward else self.groups:
+            if not in_backward or group.unshard_in_backward:
+                group.unshard(async_op=True)
 
     def post_backward(self) -> None:
-        """This state's grads are complete: reshard, then start their reduction.
+        """This state's grads are complete: reduce each group's, the last group first."""
+        for group in self.reversed_groups:
+            self.post_backward_group(group)
+
+    def post_backward_group(self, group: ParamGroup) -> None:
+        """One group's grads are complete: reshard, then start their reduction.
 
         Resharding first frees the unsharded params before the grads are packed (the
         grads are separate tensors, untouched by a reshard), so the two never coexist.
+        Reductions of an earlier state are finished first (at most one state's in flight,
+        as FSDP2); this state's groups stay in flight together.
         """
-        group = self.group
-        if group is None:
-            return
         group.training_state = TrainingState.POST_BACKWARD
         tracing.emit("post_backward", group.fqn, group.training_state.value)
-        previous = self.ctx.reducing if self.ctx is not None else None
-        if previous is not None and previous is not group:
-            previous.finish_reduce()
+        ctx = self.ctx
+        if ctx is not None and ctx.reducing and ctx.reducing[0] not in self.groups:
+            for previous in ctx.reducing:
+                previous.finish_reduce()
+            ctx.reducing.clear()
         if group.reshard_after_backward:
             group.reshard()
         group.reduce_grads()
-        if self.ctx is not None and group.reducer.frees_buffer_when_done:
-            self.ctx.reducing = group  # the next post-backward waits for it, bounding memory
+        if ctx is not None and group.reducer.frees_buffer_when_done and group not in ctx.reducing:
+            ctx.reducing.append(group)  # the next state's post-backward waits for it, bounding memory
 
     def finish_iteration(self, wait_for_reductions: bool) -> None:
         """End of backward: wait for our reduction, reshard, return to IDLE."""
         self._post_forward_indices.clear()
-        group = self.group
-        if group is None:
-            return
-        if wait_for_reductions:
-            group.finish_reduce()
-        if group.reshard_after_backward and group.training_state == TrainingState.POST_BACKWARD:
-            group.reshard()
-        group.training_state = TrainingState.IDLE
+        for group in self.groups:
+            if wait_for_reductions:
+                group.finish_reduce()
+            if group.reshard_after_backward and group.training_state == TrainingState.POST_BACKWARD:
+                group.reshard()
+            group.training_state = TrainingState.IDLE
         self._members_to_run = {id(m) for m in self.modules}
 
     def discard_iteration(self) -> None:
         self._post_forward_indices.clear()
         self._members_to_run = {id(m) for m in self.modules}
-        if self.group is not None:
-            self.group.discard_iteration()
+        for group in self.groups:
+            group.discard_iteration()
 
     def reset_iter_state(self) -> None:
         """Root only: recover from an exception that aborted forward or backward."""
@@ -427,10 +465,7 @@ def _states_under(modules: tuple[nn.Module, ...]) -> list[ModuleState]:
 def _process_groups(states: list[ModuleState]) -> list:
     """The distinct process groups the states' collectives run on."""
     groups: list = []
-    for state in states:
-        group = state.group
-        if group is None:
-            continue
+    for group in (group for state in states for group in state.groups):
         mesh_info = group.mesh_info
         post_forward = group.post_forward.group if group.post_forward is not None else None
         for pg in (mesh_info.shard_group, mesh_info.replicate_group, post_forward):

@@ -11,8 +11,8 @@ unsharded ``nn.Parameter``s, not DTensors) must be contiguous.
 ``shard_placement_fn`` may also return torch's ``ShardPlacementResult`` (a placement and a
 per-parameter mesh; torchtitan's MoE path puts experts on their own mesh that way): the
 feed-forward of each block is sharded on an "expert" mesh of its own, trained against
-torch given the same function. Params of one call on two meshes are a clear
-NotImplementedError for now (torch splits them into two groups).
+torch given the same function. Params of one call on two meshes (one group per mesh, as
+torch) are tested in test_per_param_mesh.py.
 """
 
 from __future__ import annotations
@@ -118,12 +118,6 @@ def _per_param_mesh() -> None:
         assert p.device_mesh.mesh_dim_names == want, f"{name}: on {p.device_mesh}"
     gen = generator(dist.get_rank())
     train(ours, ref, theirs, [token_batches(gen, DIMS["vocab_size"], 1, seq_len=SEQ) for _ in range(STEPS)])
-
-    def half_on_expert_mesh(param: nn.Parameter):
-        return on_expert_mesh(param) if param.dim() == 2 else None
-
-    with pytest.raises(NotImplementedError, match="one mesh per call"):
-        shardwise.fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=half_on_expert_mesh)
 
 
 def test_shard_placement_result_per_parameter_mesh():
