@@ -18,12 +18,13 @@ import pickle
 import threading
 import time
 import weakref
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 from shardwise.faults.records import Position, RankStatus
 
-__all__ = ["Beacon", "beacon_for", "status_key"]
+__all__ = ["Beacon", "beacon_for", "repeat_while_alive", "status_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,10 @@ class Beacon:
         self._stop = threading.Event()
         self.publish()
         self._thread = threading.Thread(
-            target=_beat, args=(weakref.ref(self), self._stop, interval), name=f"shardwise-beacon-{rank}", daemon=True
+            target=repeat_while_alive,
+            args=(weakref.ref(self), self._stop, interval, Beacon.publish),
+            name=f"shardwise-beacon-{rank}",
+            daemon=True,
         )
         self._thread.start()
 
@@ -88,17 +92,20 @@ class Beacon:
             self._thread.join(join_timeout)
 
 
-def _beat(ref: "weakref.ref[Beacon]", stop: threading.Event, interval: float) -> None:
+def repeat_while_alive(ref: weakref.ref, stop: threading.Event, interval: float, tick: Callable[[Any], None]) -> None:
+    """A daemon thread's loop: every ``interval`` seconds call ``tick(ref())`` until ``stop``
+    is set, the object is collected, or a tick fails (the store is gone: shutdown, a lost
+    link; nothing left to tell). Holds the object only during a tick."""
     while not stop.wait(interval):
-        beacon = ref()
-        if beacon is None:
+        owner = ref()
+        if owner is None:
             return
         try:
-            beacon.publish()
-        except Exception as err:  # the store is gone (shutdown, lost link): nothing left to tell
-            logger.debug("shardwise beacon of rank %d stops: %s", beacon.rank, err)
+            tick(owner)
+        except Exception as err:
+            logger.debug("shardwise %s stops: %s", type(owner).__name__, err)
             return
-        del beacon
+        del owner
 
 
 _BEACONS: dict[int, Beacon] = {}  # global rank -> its beacon (ranks may be threads of one process)

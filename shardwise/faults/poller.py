@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from shardwise.collectives import work_is_completed
-from shardwise.faults.beacon import Beacon
+from shardwise.faults.beacon import Beacon, repeat_while_alive
 from shardwise.faults.errors import CollectiveTimeoutError
 from shardwise.faults.ledger import Ledger
 from shardwise.faults.records import Position
@@ -63,7 +63,10 @@ class Poller:
         self._published: Beacon | None = None  # the beacon whose ``waiting`` this poller set
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=_poll_loop, args=(weakref.ref(self), self._stop, interval), name="shardwise-poller", daemon=True
+            target=repeat_while_alive,
+            args=(weakref.ref(self), self._stop, interval, Poller.poll),
+            name="shardwise-poller",
+            daemon=True,
         )
         self._thread.start()
 
@@ -134,19 +137,6 @@ def _abort(pg: dist.ProcessGroup) -> None:
         dist.distributed_c10d._abort_process_group(pg)
     except Exception as err:  # the explanation is logged already; the abort is best effort
         logger.warning("shardwise watchdog could not abort process group %s: %s", pg.group_name, err)
-
-
-def _poll_loop(ref: "weakref.ref[Poller]", stop: threading.Event, interval: float) -> None:
-    while not stop.wait(interval):
-        poller = ref()
-        if poller is None:
-            return
-        try:
-            poller.poll()
-        except Exception as err:  # the store is gone (shutdown, lost link)
-            logger.debug("shardwise poller stops: %s", err)
-            return
-        del poller
 
 
 _POLLERS: dict[int, Poller] = {}  # global rank -> its poller (ranks may be threads of one process)
