@@ -124,3 +124,28 @@ def test_poller_never_blames_a_slow_step_and_publishes_what_it_waits_on():
         assert error is None, error
         assert published, "the beacon did not publish the collective the rank waits on"
         assert in_flight == 0, "a completed work is still followed"
+
+
+def _threads_after_shutdown() -> tuple[list[str], list[str], list[str]]:
+    """Fault threads before ``monitor.shutdown()``, after it, and after the next collective."""
+    faults.configure(order_check="off", watchdog_s=DEADLINE_S, heartbeat_s=HEARTBEAT_S)
+    pg = _nccl_like_group()
+    work = StuckWork()
+    _issue(pg, "all-gather", "layers.0", work)
+
+    def fault_threads():
+        return sorted(t.name.split("-")[1] for t in threading.enumerate() if t.name.startswith("shardwise-") and t.is_alive())
+
+    before = fault_threads()
+    monitor.shutdown()
+    after = fault_threads()
+    work.done.set()
+    _issue(pg, "all-gather", "layers.0", work)  # the next watched collective starts them again
+    return before, after, fault_threads()
+
+
+def test_shutdown_stops_and_joins_every_fault_thread_and_they_restart_on_use():
+    for before, after, again in run_on_ranks(_threads_after_shutdown, 2, timeout=60):
+        assert "beacon" in before and "poller" in before, before
+        assert "beacon" not in after and "poller" not in after, after
+        assert "beacon" in again and "poller" in again, again

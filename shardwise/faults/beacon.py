@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from shardwise.faults.records import Position, RankStatus
 
-__all__ = ["Beacon", "beacon_for", "repeat_while_alive", "status_key"]
+__all__ = ["Beacon", "beacon_for", "repeat_while_alive", "status_key", "stop_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ _BEACONS: dict[int, Beacon] = {}  # global rank -> its beacon (ranks may be thre
 
 
 @atexit.register
-def _stop_all_at_exit() -> None:
+def stop_all() -> None:
     """Join every beacon thread before the interpreter tears down: a daemon thread still
     inside a c10d store call (the GIL released) while the store is destroyed under it ends
     the process in ``std::terminate`` ("terminate called without an active exception")."""

@@ -16,13 +16,13 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from shardwise.faults import order_check, poller
+from shardwise.faults import beacon, order_check, poller
 from shardwise.faults.ledger import ledger_for
 from shardwise.faults.records import END_OF_STEP, Collective
 from shardwise.faults.settings import current
 from shardwise.faults.watchdog import WatchedWork
 
-__all__ = ["issue", "begin_step", "end_step"]
+__all__ = ["issue", "begin_step", "end_step", "shutdown"]
 
 
 def _phase() -> str:
@@ -73,3 +73,12 @@ def end_step(groups: Iterable[dist.ProcessGroup]) -> None:
         if ledger is not None and settings.checks_step(ledger.step):
             position = ledger.record(Collective(END_OF_STEP, "", "backward", 0, None))
             order_check.agree(ledger, position, settings.watchdog_s)
+
+
+def shutdown() -> None:
+    """Stop this process's fault threads (beacons, pollers) and wait for them to leave any
+    store call. Call it before destroying the process group at the end of a job: a rank
+    whose peer (the store's host) exits first must not be left inside a store call when
+    the interpreter tears down. Fault detection restarts on the next collective."""
+    poller.stop_all()
+    beacon.stop_all()

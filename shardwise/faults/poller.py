@@ -35,7 +35,7 @@ from shardwise.faults.ledger import Ledger
 from shardwise.faults.records import Position
 from shardwise.faults.watchdog import peer_report, timeout_error
 
-__all__ = ["Poller", "poller_for", "raise_if_failed"]
+__all__ = ["Poller", "poller_for", "raise_if_failed", "stop_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def raise_if_failed(rank: int) -> None:
 
 
 @atexit.register
-def _stop_all_at_exit() -> None:
+def stop_all() -> None:
     """Join the poller threads before the interpreter tears down (see beacon.py: a daemon
     thread inside a c10d store call while the store is destroyed ends in std::terminate)."""
     for poller in list(_POLLERS.values()):

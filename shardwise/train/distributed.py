@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardwise.faults import monitor
+
 __all__ = ["DistEnv", "setup", "teardown", "is_under_launcher", "cpu_threads_per_rank"]
 
 logger = logging.getLogger(__name__)
@@ -148,6 +150,7 @@ def teardown(env: DistEnv, wait_for_peers: bool = True) -> None:
     active exception`` (SIGABRT; 1 run in ~5 on torch 2.13 CPU, 0 in 40 with the barrier).
     """
     if env.owns_process_group and dist.is_initialized():
+        monitor.shutdown()  # no beacon may be inside a store call when rank 0 (its host) exits
         if wait_for_peers:
             dist.barrier()
         dist.destroy_process_group()
