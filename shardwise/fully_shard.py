@@ -101,8 +101,9 @@ def build_state(
 ) -> ModuleState:
     """The pipeline shared by fully_shard and replicate: params → groups (one per mesh) → state."""
     params, sites, buffers = _managed_tensors(modules, _ignored_ids(ignored_params))
-    placements = [_placement(shard_placement_fn, p, s, mesh_info) for p, s in zip(params, sites)]
-    by_mesh = _group_by_mesh(placements, mesh_info)
+    read: dict[int, tuple[object, MeshInfo]] = {}  # id(torch's mesh info) -> (it, ours): one each
+    placements = [_placement(shard_placement_fn, p, s, mesh_info, read) for p, s in zip(params, sites)]
+    by_mesh = _group_by_mesh(placements, sites)
     if len(by_mesh) == 1:  # the state's mesh: the call's, or the one mesh every param chose
         mesh_info = next(iter(by_mesh.values()))[0]
     device = mesh_info.device
@@ -270,17 +271,22 @@ def _managed_tensors(modules: list[nn.Module], ignored: set[int]) -> tuple[list,
     return params, [sites[id(p)] for p in params], buffers
 
 
-def _placement(fn: Callable | None, param: nn.Parameter, sites: list[ParamSite], default: MeshInfo):
+def _placement(fn: Callable | None, param: nn.Parameter, sites: list[ParamSite], default: MeshInfo, read: dict):
     """``(shard dim, MeshInfo)`` of one param: what ``shard_placement_fn`` says, as torch reads it.
 
     The function may return None (``Shard(0)`` on the call's mesh), a ``Shard``, or torch's
     ``ShardPlacementResult`` (a placement plus a per-parameter ``FSDPMeshInfo``), read by
     its fields (``placement``, ``mesh_info.mesh``/``shard_mesh_dim``/``replicate_mesh_dim``).
+    Each of torch's mesh-info objects is read once (``read``): params that returned the same
+    object get the same ``MeshInfo``, and only those may share process groups.
     """
     result = None if fn is None else fn(param)
     mesh_info = default
     if result is not None and not isinstance(result, Shard) and hasattr(result, "mesh_info"):
-        mesh_info = _read_mesh_info(result.mesh_info, sites)
+        source = result.mesh_info
+        if id(source) not in read:
+            read[id(source)] = (source, _read_mesh_info(source, sites))
+        mesh_info = read[id(source)][1]
         result = result.placement
     if result is None:
         return 0, mesh_info
@@ -307,27 +313,29 @@ def _read_mesh_info(info: object, sites: list[ParamSite]) -> MeshInfo:
     return MeshInfo(mesh, shard_mesh_dim=info.shard_mesh_dim, replicate_mesh_dim=getattr(info, "replicate_mesh_dim", None))
 
 
-def _group_by_mesh(
-    placements: list[tuple[int, MeshInfo]], default: MeshInfo
-) -> dict[tuple, tuple[MeshInfo, list[int]]]:
-    """Param indices per group: one group per distinct mesh (and its shard/replicate dims),
-    in the order of each mesh's first param, as torch orders its param groups.
+def _group_by_mesh(placements: list[tuple[int, MeshInfo]], sites: list[list[ParamSite]]) -> dict:
+    """Param indices per group: one group per distinct pair of (shard, replicate) process
+    groups, in the order of each pair's first param, as torch keys and orders its param groups.
 
-    A per-parameter mesh equal to the call's is the call's (its ``MeshInfo``, e.g. with the
-    post-forward groups of an int ``reshard_after_forward``).
+    Params on the same process groups must have named them through the same mesh-info object
+    (the call's own, or one ``FSDPMeshInfo`` returned for each of them); torch raises
+    otherwise, and so do we, with torch's words.
     """
     groups: dict[tuple, tuple[MeshInfo, list[int]]] = {}
-    default_key = _mesh_key(default)
     for i, (_, info) in enumerate(placements):
-        key = _mesh_key(info)
+        key = (info.shard_group, info.replicate_group)
         if key not in groups:
-            groups[key] = (default if key == default_key else info, [])
+            groups[key] = (info, [])
+        elif groups[key][0] is not info:
+            first = sites[groups[key][1][0]][0]
+            raise ValueError(
+                "Params sharing the same process group must use the same FSDPMeshInfo object, but got different "
+                f"objects for {first.fqn or first.name!r} and {sites[i][0].fqn or sites[i][0].name!r}: create the "
+                "FSDPMeshInfo once, outside shard_placement_fn, and return it for every parameter on that mesh "
+                "(a parameter on the call's own mesh returns a plain Shard or None)"
+            )
         groups[key][1].append(i)
     return groups
-
-
-def _mesh_key(info: MeshInfo) -> tuple:
-    return (info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim)
 
 
 def _move_buffers(buffers: list, device: torch.device) -> None:

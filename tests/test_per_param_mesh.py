@@ -275,3 +275,30 @@ def test_state_dict_round_trips(world, variant):
     dense = {meshes for key, _, meshes in layout if not _is_expert(key)}
     assert dense == {("dp",)}, dense
     assert experts == ({("dp_mod_ep",)} if variant == "submesh" else {("ep_replicate", "edp")}), experts
+
+
+def _one_info_object_per_process_group() -> dict[str, str]:
+    """A shard_placement_fn that makes a new FSDPMeshInfo on every call: two expert params
+    on one process group through two objects. Both libraries refuse it the same way."""
+    dense, expert_info = _meshes("submesh")
+
+    def placement(param: nn.Parameter):
+        if param.dim() == 2 and param.shape[0] == DIMS["ffn_hidden"]:  # the feed-forward input projection
+            info = FSDPMeshInfo(mesh=expert_info.mesh, shard_mesh_dim=expert_info.shard_mesh_dim)
+            return ShardPlacementResult(placement=Shard(0), mesh_info=info)
+        return None
+
+    errors = {}
+    for name, fully_shard in (("shardwise", shardwise.fully_shard), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        block = Transformer(**DIMS).layers[0]
+        block.feed_forward.gate = nn.Linear(DIMS["dim"], DIMS["ffn_hidden"])  # a second param of that shape
+        with pytest.raises(ValueError, match="same FSDPMeshInfo object") as err:
+            fully_shard(block, mesh=dense, shard_placement_fn=placement)
+        errors[name] = str(err.value)
+    return errors
+
+
+def test_params_on_one_process_group_need_one_mesh_info_object_like_torch():
+    errors = run_on_ranks(_one_info_object_per_process_group, 4, timeout=TIMEOUT)[0]
+    assert "feed_forward" in errors["shardwise"], errors
