@@ -53,10 +53,11 @@ class Beacon:
         self.waiting_since = None
         self.checking = False
         self._stop = threading.Event()
+        self._followers: weakref.WeakSet = weakref.WeakSet()
         self.publish()
         self._thread = threading.Thread(
             target=repeat_while_alive,
-            args=(weakref.ref(self), self._stop, interval, Beacon.publish),
+            args=(weakref.ref(self), self._stop, interval, Beacon.beat),
             name=f"shardwise-beacon-{rank}",
             daemon=True,
         )
@@ -67,6 +68,20 @@ class Beacon:
 
     def publish(self) -> None:
         self.store.set(status_key(self.rank), pickle.dumps(self.status()))
+
+    def follow(self, follower) -> None:
+        """Call ``follower.on_beat(store, interval)`` on every heartbeat while it lives (held weakly)."""
+        self._followers.add(follower)
+
+    def beat(self) -> None:
+        """One heartbeat: publish the status, then run the followers' work (a failing
+        follower is logged and skipped: the status must keep flowing)."""
+        self.publish()
+        for follower in list(self._followers):
+            try:
+                follower.on_beat(self.store, self.interval)
+            except Exception as err:
+                logger.debug("shardwise beacon follower %r failed: %s", follower, err)
 
     def block(self, position: Position, checking: bool = False) -> None:
         """The main thread is about to block on ``position``; published now, then every beat."""

@@ -15,6 +15,7 @@ import weakref
 
 import torch.distributed as dist
 
+from shardwise.faults import step_digest
 from shardwise.faults.beacon import Beacon, beacon_for
 from shardwise.faults.records import Collective, Position
 from shardwise.faults.settings import current
@@ -45,6 +46,7 @@ class Ledger:
         self._begun = 0
         self.last_checked = None
         self.init_checks = 0  # fully_shard calls whose initial values were compared (init_values)
+        self.digests = step_digest.DigestLog()  # each step's collectives, compared off the main thread
         self.beacon  # start publishing now: peers judge us by our status from the first wait
 
     def __repr__(self) -> str:
@@ -57,17 +59,29 @@ class Ledger:
 
     @property
     def beacon(self) -> Beacon:
-        """This rank's status publisher on the current store."""
-        return beacon_for(current().heartbeat_interval)
+        """This rank's status publisher on the current store (it also runs our digest exchange)."""
+        beacon = beacon_for(current().heartbeat_interval)
+        beacon.follow(self)
+        return beacon
+
+    def on_beat(self, store: dist.Store, interval: float) -> None:
+        """Called on the beacon's thread every heartbeat: the step-digest exchange."""
+        if current().compares_digests:
+            step_digest.exchange(self, store, wait_s=max(interval, 1.0))
 
     def record(self, collective: Collective) -> Position:
         """Number ``collective`` (the next on this group) and return its position."""
         position = Position(self.name, self.seq, self.step, collective)
         self.seq += 1
+        self.digests.current.append(collective)
         return position
 
     def begin_step(self) -> None:
         """A root forward that uses this group begins: the next step."""
+        if self._begun:
+            settings = current()
+            compare = settings.compares_digests and not settings.checks_step(self.step)
+            step_digest.file_step(self.digests, self.step, compare)
         self.step = self._begun
         self._begun += 1
         self.beacon  # (re)started if the store changed since the last step

@@ -42,7 +42,7 @@ def issue(op: str, fqn: str, pg: dist.ProcessGroup, tensor: torch.Tensor, start:
     ledger = ledger_for(pg)
     if ledger is None:
         return start()
-    poller.raise_if_failed(ledger.rank)
+    _raise_found(ledger)
     settings = current()
     position = ledger.record(Collective(op, fqn, _phase(), tensor.numel(), tensor.dtype))
     if settings.checks_step(position.step):
@@ -56,12 +56,22 @@ def issue(op: str, fqn: str, pg: dist.ProcessGroup, tensor: torch.Tensor, start:
     return work
 
 
+def _raise_found(ledger) -> None:
+    """Raise what a background thread found for this rank: a hang (poller), or ranks whose
+    steps differed (step digest); each once."""
+    poller.raise_if_failed(ledger.rank)
+    error = ledger.digests.error
+    if error is not None:
+        ledger.digests.error = None
+        raise error
+
+
 def begin_step(groups: Iterable[dist.ProcessGroup]) -> None:
     """The root's forward begins a step on each of its process groups."""
     for pg in groups:
         ledger = ledger_for(pg)
         if ledger is not None:
-            poller.raise_if_failed(ledger.rank)
+            _raise_found(ledger)
             ledger.begin_step()
 
 

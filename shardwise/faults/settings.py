@@ -54,6 +54,12 @@ class FaultSettings:
             return self.heartbeat_s
         return min(max(self.watchdog_s, 0.2) / 4, 5.0)
 
+    @property
+    def compares_digests(self) -> bool:
+        """After the checked steps, ranks compare each step's collectives a heartbeat late
+        (:mod:`~shardwise.faults.step_digest`); not with ``"off"``, nor needed with ``"always"``."""
+        return self.order_check_steps is not None and self.order_check_steps > 0
+
     def checks_step(self, step: int) -> bool:
         """Whether the order check compares the collectives of ``step`` (0-based)."""
         return self.order_check_steps is None or step < self.order_check_steps
