@@ -61,7 +61,7 @@ def _meshes(variant: str):
     return dense, HSDPMeshInfo(mesh=expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
 
 
-def _build(variant: str, seed: int = 0) -> tuple[nn.Module, nn.Module, FSDPMeshInfo]:
+def _build(variant: str, seed: int = 0, reshard: bool | int = True) -> tuple[nn.Module, nn.Module, FSDPMeshInfo]:
     """(ours, torch's, the experts' FSDPMeshInfo): the same Transformer, each block (and the
     root) one call whose experts go to their own mesh."""
     dense, expert_info = _meshes(variant)
@@ -78,7 +78,7 @@ def _build(variant: str, seed: int = 0) -> tuple[nn.Module, nn.Module, FSDPMeshI
 
     for model, fully_shard_fn in ((base, shardwise.fully_shard), (theirs, torch_fully_shard)):
         for layer in model.layers:
-            fully_shard_fn(layer, mesh=dense, shard_placement_fn=placement)
+            fully_shard_fn(layer, mesh=dense, shard_placement_fn=placement, reshard_after_forward=reshard)
         fully_shard_fn(model, mesh=dense, shard_placement_fn=placement)
     return base, theirs, expert_info
 
@@ -139,10 +139,10 @@ def _by_kind(order: list, kind: str) -> list:
     return [e for e in order if e[0] == kind]
 
 
-def _train_like_torch(variant: str, micro_batches: int = 1, before=None) -> list[list]:
+def _train_like_torch(variant: str, micro_batches: int = 1, before=None, reshard: bool | int = True) -> list[list]:
     """A few AdamW steps of ours and torch's, compared after each backward and each step;
     returns our collective tallies per step."""
-    ours, theirs, expert_info = _build(variant)
+    ours, theirs, expert_info = _build(variant, reshard=reshard)
     assert len(get_state(ours.layers[0]).groups) == 2, get_state(ours.layers[0]).groups
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
     gen = generator(dist.get_rank())
@@ -181,6 +181,14 @@ def test_experts_on_their_mesh_train_like_torch(world, variant):
     if variant == "hsdp":
         want["all_reduce"] = 3
     assert backward == want, backward
+
+
+def test_int_reshard_after_forward_on_each_mesh_like_torch():
+    """reshard_after_forward=2 at 4 ranks: the dense group keeps a 2-rank shard after
+    forward; the experts' sub-mesh has 2 ranks, so theirs is a full reshard. Each group
+    reads the int against its own mesh, as torch's do."""
+    tallies = run_on_ranks(_train_like_torch, 4, "submesh", 1, None, 2, timeout=TIMEOUT)[0]
+    assert tallies[-1][1]["all_gather"] == 4, tallies[-1]  # backward re-gathers both blocks' two groups
 
 
 def _no_sync_then_sync(model: nn.Module, i: int, n: int) -> None:
