@@ -151,10 +151,15 @@ def _graph_counts(fully_shard_fn, recipe: str, fullgraph: bool) -> tuple[int, in
     torch.manual_seed(0)
     backend = CompileCounterWithBackend("eager")
     model = _compile_blocks(Transformer(**DIMS), recipe, backend, fully_shard_fn, fullgraph)
+    return _two_steps_counted(backend, model, lambda tokens: lm_loss(model, tokens))
+
+
+def _two_steps_counted(backend, model: nn.Module, loss_of) -> tuple[int, int]:
+    """Two AdamW steps of ``loss_of(tokens)``; (graphs ``backend`` compiled, graph breaks)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = rank_generator()
     for _ in range(2):
-        lm_loss(model, token_batch(gen, DIMS["vocab_size"], seq_len=DIMS["max_seq_len"])).backward()
+        loss_of(token_batch(gen, DIMS["vocab_size"], seq_len=DIMS["max_seq_len"])).backward()
         opt.step()
         opt.zero_grad()
     result = (backend.frame_count, sum(counters["graph_break"].values()))
@@ -210,15 +215,7 @@ def _method_counts(lib: str, entry: str) -> tuple[int, int]:
     counters.clear()
     backend = CompileCounterWithBackend("eager")
     model, call = _method_model(lib, entry, backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = rank_generator()
-    for _ in range(2):
-        _logits_loss(call, token_batch(gen, DIMS["vocab_size"], seq_len=DIMS["max_seq_len"])).backward()
-        opt.step()
-        opt.zero_grad()
-    result = (backend.frame_count, sum(counters["graph_break"].values()))
-    torch._dynamo.reset()
-    return result
+    return _two_steps_counted(backend, model, lambda tokens: _logits_loss(call, tokens))
 
 
 def _method_parity(entry: str, fullgraph: bool) -> dict:

@@ -105,34 +105,6 @@ def test_order_check_always_catches_a_late_step_and_default_leaves_it_to_the_wat
     assert all("ranks diverged at step 4" in m for m, _ in always), always
 
 
-def _digest_caught(at: int) -> tuple[str | None, float, int]:
-    """Same-shape blocks swapped on rank 0 at step ``at``, past the order-checked steps:
-    (the message, seconds from the divergent step to the error, the step it surfaced in)."""
-    faults.configure(order_check=2, watchdog_s=DEADLINE_S, heartbeat_s=0.1)
-    try:
-        model = _sharded_blocks()
-        diverged = time.monotonic()
-        for step in range(at + 50):
-            if step == at:
-                diverged = time.monotonic()
-            try:
-                model(torch.ones(2, 8), order=_order("swapped", step, at)).sum().backward()
-            except faults.CollectiveMismatchError as err:
-                return str(err), time.monotonic() - diverged, step
-            time.sleep(0.02)
-        return None, 0.0, -1
-    finally:
-        faults.configure(heartbeat_s=None)
-
-
-def test_step_digest_names_a_same_shape_divergence_past_the_checked_steps_on_every_rank():
-    for rank, (message, seconds, step) in enumerate(run_on_ranks(_digest_caught, 2, 4, timeout=TIMEOUT_S)):
-        assert message is not None, f"rank {rank}: no error in 50 steps"
-        assert "step digest" in message and "at step 4" in message, message
-        assert "of b" in message and "of a" in message and "rank 0:" in message and "rank 1:" in message, message
-        assert seconds < 2 * DEADLINE_S and step > 4, (seconds, step)
-
-
 def _slow_rank() -> list[float]:
     """Rank 1 computes for twice the deadline in step 2's forward; nobody is blamed."""
     faults.configure(watchdog_s=1.0, order_check=1)
@@ -179,6 +151,40 @@ def _fault(kind: str, pids: list[int]) -> None:
             if kind == "extra":  # the peer reaches its own deadline up to one later: the
                 time.sleep(DEADLINE_S)  # harness gives it 1 s after a failure, so report later
             raise type(err)(f"{err} [detected after {detected:.2f} s]") from None
+
+
+def _digest_fault(at: int) -> None:
+    """Same-shape blocks swapped on rank 0 at step ``at``, past the order-checked steps. The
+    ranks raise the digest's error where they meet it (a rank may be blocked in the next
+    step's collective, which its peer never joins: it raises from the wait), adding the
+    seconds since the divergent step; the collective left behind throws the pool away."""
+    faults.configure(order_check=2, watchdog_s=DEADLINE_S, heartbeat_s=0.1)
+    try:
+        model = _sharded_blocks()
+        diverged = time.monotonic()
+        for step in range(at + 50):
+            if step == at:
+                diverged = time.monotonic()
+            try:
+                model(torch.ones(2, 8), order=_order("swapped", step, at)).sum().backward()
+            except faults.CollectiveMismatchError as err:
+                raise type(err)(f"{err} [detected after {time.monotonic() - diverged:.2f} s]") from None
+            time.sleep(0.02)
+    finally:
+        faults.configure(heartbeat_s=None)
+
+
+def test_step_digest_names_a_same_shape_divergence_past_the_checked_steps_on_every_rank():
+    pool_pids(2)
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_digest_fault, 2, 4, timeout=TIMEOUT_S)
+
+    traces = info.value.tracebacks
+    assert set(traces) == {0, 1}, str(info.value)
+    for trace in traces.values():
+        assert "CollectiveMismatchError: shardwise step digest" in trace and "at step 4" in trace, trace
+        assert "rank 0: the forward all-gather of b" in trace and "rank 1: the forward all-gather of a" in trace, trace
+        assert _detected_after(trace) < 2 * DEADLINE_S, trace
 
 
 def _detected_after(trace: str) -> float:

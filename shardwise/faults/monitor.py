@@ -20,7 +20,7 @@ from shardwise.faults import beacon, order_check, poller
 from shardwise.faults.ledger import ledger_for
 from shardwise.faults.records import END_OF_STEP, Collective
 from shardwise.faults.settings import current
-from shardwise.faults.watchdog import WatchedWork
+from shardwise.faults.watchdog import WatchedWork, raise_digest_error
 
 __all__ = ["issue", "begin_step", "end_step", "shutdown"]
 
@@ -60,10 +60,7 @@ def _raise_found(ledger) -> None:
     """Raise what a background thread found for this rank: a hang (poller), or ranks whose
     steps differed (step digest); each once."""
     poller.raise_if_failed(ledger.rank)
-    error = ledger.digests.error
-    if error is not None:
-        ledger.digests.error = None
-        raise error
+    raise_digest_error(ledger)
 
 
 def begin_step(groups: Iterable[dist.ProcessGroup]) -> None:

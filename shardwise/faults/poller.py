@@ -61,6 +61,7 @@ class Poller:
         self._lock = threading.Lock()
         self._in_flight: list[_InFlight] = []
         self._published: Beacon | None = None  # the beacon whose ``waiting`` this poller set
+        self._aborted: set[int] = set()  # ids of the process groups aborted (once each)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=repeat_while_alive,
@@ -96,6 +97,9 @@ class Poller:
             return
         now, judged = time.time(), set()
         for entry in pending:
+            if entry.ledger.digests.error is not None:  # the ranks diverged: nobody will complete it
+                self._abort_once(entry.pg)  # the main thread returns to its next collective, and raises there
+                return
             if now - entry.issued_at > entry.deadline and id(entry.ledger) not in judged:
                 judged.add(id(entry.ledger))
                 self._judge(entry, now - entry.issued_at)
@@ -120,7 +124,12 @@ class Poller:
             return
         self.error = timeout_error(entry.ledger, entry.position, waited, report)
         logger.error("%s", self.error)
-        _abort(entry.pg)
+        self._abort_once(entry.pg)
+
+    def _abort_once(self, pg: dist.ProcessGroup) -> None:
+        if id(pg) not in self._aborted:
+            self._aborted.add(id(pg))
+            _abort(pg)
 
     def stop(self, join_timeout: float | None = None) -> None:
         self._stop.set()

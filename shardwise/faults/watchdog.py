@@ -36,7 +36,7 @@ from shardwise.faults.errors import CollectiveFailedError, CollectiveTimeoutErro
 from shardwise.faults.ledger import Ledger
 from shardwise.faults.records import Position, RankStatus, describe_position
 
-__all__ = ["WatchedWork", "diagnose", "peer_report", "timeout_error"]
+__all__ = ["WatchedWork", "diagnose", "peer_report", "raise_digest_error", "timeout_error"]
 
 
 class WatchedWork:
@@ -78,11 +78,12 @@ def _watch(work, ledger: Ledger, position: Position, deadline: float) -> None:
     beacon.block(position)
     done, failure = _waiter().submit(work)
     try:
-        waited, slice_s = 0.0, deadline
-        while not done.wait(slice_s):
-            waited += slice_s
-            diagnose(ledger, position, waited, deadline, done.is_set)
-            slice_s = beacon.interval
+        waited = 0.0
+        while not done.wait(beacon.interval):  # wakes each heartbeat: what the beacon found
+            waited += beacon.interval
+            raise_digest_error(ledger)
+            if waited >= deadline:
+                diagnose(ledger, position, waited, deadline, done.is_set)
         if failure:
             raise _failed(ledger, position, failure[0]) from failure[0]
     except BaseException:
@@ -142,6 +143,16 @@ def _failed(ledger: Ledger, position: Position, err: BaseException) -> Collectiv
         f"{describe_position(position)} on process group {ledger.name!r} (ranks {ledger.ranks}): {first_line}. "
         f"{report}"
     )
+
+
+def raise_digest_error(ledger: Ledger) -> None:
+    """Raise (once) the divergence the beacon thread's step-digest exchange found. A rank
+    blocked in a collective that a diverged peer will never join raises it from the wait,
+    within a heartbeat, instead of waiting for a peer that has already stopped."""
+    error = ledger.digests.error
+    if error is not None:
+        ledger.digests.error = None
+        raise error
 
 
 def diagnose(ledger: Ledger, position: Position, waited: float, deadline: float, done=lambda: False) -> None:
