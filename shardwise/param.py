@@ -156,11 +156,9 @@ class ShardedParam:
         self.padded_shard = self._new_padded_shard(chunk, device, pin_memory)
         # Not DTensor.from_local: it moves a host tensor to the mesh's device, and an
         # offloaded param's local tensor must stay the (pinned host) padded shard itself.
-        meta = TensorMeta(self.orig_size, self.orig_stride, chunk.dtype)
-        spec = DTensorSpec(self._spmd_mesh, self.placements(), tensor_meta=meta)
-        dtensor = DTensor(self._real_rows(), spec, requires_grad=False)
+        self._spec = self._sharded_spec(chunk.dtype)
+        dtensor = DTensor(self._real_rows(), self._spec, requires_grad=False)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
-        self._refresh_spec()
         self.register_sharded()
 
     def _new_padded_shard(self, chunk: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:
@@ -235,15 +233,18 @@ class ShardedParam:
                 f"{tuple(param._local_tensor.shape)}); expected {tuple(self.orig_size)} (local {tuple(self.local_size)})"
             )
 
+    def _sharded_spec(self, dtype: torch.dtype) -> DTensorSpec:
+        """The DTensor spec of our sharded param (or a grad) in ``dtype``."""
+        meta = TensorMeta(self.orig_size, self.orig_stride, dtype)
+        return DTensorSpec(self._spmd_mesh, self.placements(), tensor_meta=meta)
+
     def _refresh_spec(self) -> None:
-        meta = TensorMeta(self.orig_size, self.orig_stride, self.sharded_param.dtype)
-        self._spec = DTensorSpec(self._spmd_mesh, self.placements(), tensor_meta=meta)
+        self._spec = self._sharded_spec(self.sharded_param.dtype)
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local shard-shaped tensor (a gradient) as a DTensor with our placements."""
         if local.dtype != self._spec.tensor_meta.dtype:
-            meta = TensorMeta(self.orig_size, self.orig_stride, local.dtype)
-            spec = DTensorSpec(self._spmd_mesh, self.placements(), tensor_meta=meta)
+            spec = self._sharded_spec(local.dtype)
         else:
             spec = self._spec
         return DTensor(local, spec, requires_grad=False)

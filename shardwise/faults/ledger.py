@@ -47,6 +47,7 @@ class Ledger:
         self.last_checked = None
         self.init_checks = 0  # fully_shard calls whose initial values were compared (init_values)
         self.digests = step_digest.DigestLog()  # each step's collectives, compared off the main thread
+        self._followed: Beacon | None = None  # the beacon that runs our on_beat
         self.beacon  # start publishing now: peers judge us by our status from the first wait
 
     def __repr__(self) -> str:
@@ -61,7 +62,9 @@ class Ledger:
     def beacon(self) -> Beacon:
         """This rank's status publisher on the current store (it also runs our digest exchange)."""
         beacon = beacon_for(current().heartbeat_interval)
-        beacon.follow(self)
+        if beacon is not self._followed:  # a new beacon (first use, a new store or interval)
+            beacon.follow(self)
+            self._followed = beacon
         return beacon
 
     def on_beat(self, store: dist.Store, interval: float) -> None:
