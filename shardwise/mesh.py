@@ -158,9 +158,18 @@ def post_forward_group(mesh_info: MeshInfo, k: int) -> PostForwardGroup:
 
 
 def _new_post_forward_group(mesh_info: MeshInfo, k: int) -> PostForwardGroup:
-    ranks = mesh_info.mesh.mesh.reshape(-1, k)  # (world / k, k), blocks inside each shard group
-    block_mesh = DeviceMesh(mesh_info.mesh.device_type, ranks, mesh_dim_names=("pf_outer", "pf_block"))
-    return PostForwardGroup(block_mesh.get_group(1), k, block_mesh.get_local_rank(1))
+    """Our block's group, made by the block's ranks alone (``use_local_synchronization``).
+
+    A mesh may be a sub-mesh that lists only our slice of the world (an expert mesh sliced
+    from a larger one: ranks {0, 2} see [0, 2], ranks {1, 3} see [1, 3]); a group built
+    from it with a world-wide ``new_group`` per block would have each slice issue different
+    creations, and the ranks wait on each other forever.
+    """
+    blocks = mesh_info.mesh.mesh.reshape(-1, k).tolist()  # consecutive blocks inside each shard group
+    rank = dist.get_rank()
+    block = next(b for b in blocks if rank in b)
+    group = dist.new_group(block, use_local_synchronization=True)
+    return PostForwardGroup(group, k, block.index(rank))
 
 
 def spmd_mesh_info(mesh: object, dims: "DataParallelMeshDims") -> MeshInfo:
