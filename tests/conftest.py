@@ -13,8 +13,11 @@ import torch.distributed as dist
 from shardwise.testing import shutdown_pools
 from shardwise.train import distributed
 
+_EXIT_STATUS = [0]  # the session's, for pytest_unconfigure
+
 
 def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS[0] = int(exitstatus)
     shutdown_pools()
 
 
@@ -30,3 +33,20 @@ def single_rank():
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(threads)
+
+
+
+def pytest_unconfigure(config):
+    """A hung thread-rank (torch's threaded process group) is a non-daemon thread: the
+    test that timed out has failed, but the interpreter would wait for it forever at exit.
+    Name the threads and leave with the session's status (failed, since one test was)."""
+    import os
+    import sys
+    import threading
+
+    stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if stuck:
+        sys.stderr.write(f"conftest: {len(stuck)} thread(s) of timed-out tests still running at exit: "
+                         f"{[t.name for t in stuck]}; exiting without joining them\n")
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[0] or 1)

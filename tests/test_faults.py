@@ -105,6 +105,43 @@ def test_order_check_always_catches_a_late_step_and_default_leaves_it_to_the_wat
     assert all("ranks diverged at step 4" in m for m, _ in always), always
 
 
+def _recreated_groups(incarnations: int) -> list[tuple[str, str]]:
+    """The same group, destroyed and made again: each incarnation trains a checked step and
+    then diverges at step 1; (group name, message) per incarnation."""
+    faults.configure(order_check=2, watchdog_s=DEADLINE_S)
+    found = []
+    for _ in range(incarnations):
+        group = dist.new_group(backend="gloo", use_local_synchronization=True)
+        mesh = DeviceMesh.from_group(group, "cpu")
+        model = Blocks()
+        for block in (model.a, model.b, model.extra):
+            shardwise.fully_shard(block, mesh=mesh)
+        model = shardwise.fully_shard(model, mesh=mesh)
+        message = "no error"
+        for step in range(2):
+            try:
+                model(torch.ones(2, 8), order=_order("swapped", step, 1)).sum().backward()
+            except faults.CollectiveMismatchError as err:
+                message = str(err)
+                break
+        found.append((group.group_name, message))
+        del model, mesh
+        dist.destroy_process_group(group)
+    return found
+
+
+def test_order_check_agrees_on_a_group_destroyed_and_made_again():
+    """A group's name comes back when it is re-created (a job re-initialising its groups):
+    the ranks must meet under the same keys again, not a stale incarnation's."""
+    results = run_on_ranks(_recreated_groups, 2, 3, timeout=TIMEOUT_S)
+
+    for rank, found in enumerate(results):
+        names = {name for name, _ in found}
+        assert len(names) == 1, (rank, names)  # the same name each time: the case under test
+        for name, message in found:
+            assert "ranks diverged at step 1" in message, (rank, message)
+
+
 def _slow_rank() -> list[float]:
     """Rank 1 computes for twice the deadline in step 2's forward; nobody is blamed."""
     faults.configure(watchdog_s=1.0, order_check=1)

@@ -1,98 +1,206 @@
 """Ranks that are threads of one process: torch's ``MultiThreadedTestCase`` and
-``init_process_group("threaded")`` (FSDP2's own tests and many users' unit tests use it).
+``init_process_group("threaded")`` (FSDP2's own tests and many users' unit tests use it),
+at 2, 4 and 8 thread-ranks, with every fault default on (order check, step digests,
+watchdog).
 
-Lazy init's rank-agreement check meets the other ranks under keys in the c10d store; the
-keys must be counted per rank, not per process, or the threads never wait on the same
-keys and the first forward hangs. The test trains shardwise and torch's FSDP2 side by side
-in the same threaded group for a few steps, comparing losses, parameters and gradients
-every step (bit-equal: same collectives, same math).
-
-Timeouts: the init check gives up after ``SHARDWISE_INIT_TIMEOUT_S`` (a RuntimeError, not
-a hang), and the threads are joined within ``TIMEOUT`` s (torch's runner reads its
-module-level ``TIMEOUT_DEFAULT`` at join time; the test sets it for its own run).
+Everything shardwise keeps for a rank (lazy init's agreement rounds, the fault monitor's
+ledgers, beacons and store keys) must be per rank, not per process, and must survive the
+process groups being destroyed and re-created: torch's harness does so between tests,
+with a new store each time, and the classes below run one after another in this process
+at different world sizes (2, then 4, then 8: the same group names come back with other
+members). Each case trains shardwise and torch's FSDP2 side by side in the same threaded
+group, bit-equal every step (same collectives, same math).
 """
 
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.testing._internal import common_distributed
-from torch.testing._internal.common_distributed import MultiThreadedTestCase
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import shardwise
+from shardwise import faults
 
-TIMEOUT = 60
+from _threaded_helpers import ThreadedCase
+
 STEPS = 3
 
 
 class _Net(nn.Module):
-    def __init__(self):
+    def __init__(self, dim: int = 8):
         super().__init__()
-        self.inp = nn.Linear(6, 8)
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-        self.out = nn.Linear(8, 3)
+        self.inp = nn.Linear(6, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+        self.out = nn.Linear(dim, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, order: tuple[int, ...] = (0, 1)) -> torch.Tensor:
         h = self.inp(x)
-        for layer in self.layers:
+        for layer in (self.layers[i] for i in order):
             h = h + torch.tanh(layer(h))
         return self.out(h)
 
 
-def _shard(model: _Net, fully_shard_fn, mesh) -> _Net:
+def _shard(model: _Net, fully_shard_fn, **kwargs) -> _Net:
     for layer in model.layers:
-        fully_shard_fn(layer, mesh=mesh)
-    return fully_shard_fn(model, mesh=mesh)
+        fully_shard_fn(layer, **kwargs)
+    return fully_shard_fn(model, **kwargs)
 
 
-class TestThreadedProcessGroup(MultiThreadedTestCase):
-    @property
-    def world_size(self) -> int:
-        return 2
+def _batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
 
-    def setUp(self) -> None:
-        super().setUp()
-        self._saved = common_distributed.TIMEOUT_DEFAULT, os.environ.get("SHARDWISE_INIT_TIMEOUT_S")
-        common_distributed.TIMEOUT_DEFAULT = TIMEOUT
-        os.environ["SHARDWISE_INIT_TIMEOUT_S"] = "30"
-        self._spawn_threads()
 
-    def tearDown(self) -> None:
-        timeout, init_timeout = self._saved
-        common_distributed.TIMEOUT_DEFAULT = timeout
-        if init_timeout is None:
-            os.environ.pop("SHARDWISE_INIT_TIMEOUT_S", None)
-        else:
-            os.environ["SHARDWISE_INIT_TIMEOUT_S"] = init_timeout
-        super().tearDown()
+def _train_side_by_side(ours: nn.Module, theirs: nn.Module, steps: int = STEPS, check=None) -> None:
+    """SGD steps on both; losses, local params and local grads bit-equal at every step."""
+    rank = dist.get_rank()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        x, y = _batch(gen)
+        losses = []
+        for model, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(*losses), f"rank {rank} step {step}: losses {losses}"
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            where = f"rank {rank} step {step}: {name}"
+            assert p.placements == q.placements and torch.equal(p.to_local(), q.to_local()), where
+            assert torch.equal(p.grad.to_local(), q.grad.to_local()), f"{where}.grad"
+            if check is not None:
+                check(name, p)
+        for opt in opts:
+            opt.step()
+
+
+def _largest_dim_that_divides(world_size: int):
+    """A ``shard_placement_fn`` putting each param on its largest evenly divisible dim
+    (dim 1 for the ``(dim, 6)`` and ``(dim, dim)`` weights of a wide net)."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        dims = [d for d in range(param.ndim) if param.shape[d] % world_size == 0] or [0]
+        return Shard(max(dims, key=lambda d: (param.shape[d], d)))
+
+    return placement
+
+
+class _Cases:
+    """The cases every world size runs (mixed into a ThreadedCase per world size)."""
 
     def test_trains_like_torch_fsdp2(self) -> None:
         mesh = init_device_mesh("cpu", (self.world_size,))
         torch.manual_seed(0)  # per thread: the same initialisation on every rank
         base = _Net()
-        theirs = _shard(copy.deepcopy(base), torch_fully_shard, mesh)
-        ours = _shard(base, shardwise.fully_shard, mesh)
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
-        gen = torch.Generator().manual_seed(dist.get_rank())
-        for step in range(STEPS):
-            x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
-            losses = []
-            for model, opt in zip((ours, theirs), opts):
-                opt.zero_grad()
-                loss = F.mse_loss(model(x), y)
-                loss.backward()
-                losses.append(loss.detach())
-            assert torch.equal(*losses), f"rank {dist.get_rank()} step {step}: losses {losses}"
-            for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-                where = f"rank {dist.get_rank()} step {step}: {name}"
-                assert p.placements == q.placements and torch.equal(p.to_local(), q.to_local()), where
-                assert torch.equal(p.grad.to_local(), q.grad.to_local()), f"{where}.grad"
-            for opt in opts:
-                opt.step()
+        theirs = _shard(copy.deepcopy(base), torch_fully_shard, mesh=mesh)
+        ours = _shard(base, shardwise.fully_shard, mesh=mesh)
+        _train_side_by_side(ours, theirs)
+
+    def test_shard_placement_on_dim_1_gives_contiguous_grads_like_torch(self) -> None:
+        torch.manual_seed(0)
+        base = _Net(dim=self.world_size * 3)
+        placement = _largest_dim_that_divides(self.world_size)
+        theirs = _shard(copy.deepcopy(base), torch_fully_shard, shard_placement_fn=placement)
+        ours = _shard(base, shardwise.fully_shard, shard_placement_fn=placement)
+        assert any(p.placements[0].dim == 1 for p in ours.parameters())
+
+        def contiguous(name: str, p: nn.Parameter) -> None:
+            assert p.grad.to_local().is_contiguous(), f"{name}.grad is not contiguous"
+
+        _train_side_by_side(ours, theirs, check=contiguous)
+
+    def test_order_check_names_a_diverging_thread_rank_on_every_rank(self) -> None:
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model = _shard(_Net(), shardwise.fully_shard, mesh=mesh)
+        swapped = dist.get_rank() == self.world_size - 1  # this rank runs its same-shaped layers swapped
+        try:
+            model(torch.randn(4, 6), order=(1, 0) if swapped else (0, 1)).sum().backward()
+        except faults.CollectiveMismatchError as err:
+            assert "ranks diverged at step 0" in str(err) and "layers.1" in str(err), str(err)
+        else:
+            raise AssertionError(f"rank {dist.get_rank()}: no CollectiveMismatchError")
+
+
+class _Broadcast:
+    """Cases that need a mesh of four or more thread-ranks."""
+
+    def test_rank0_broadcast_into_a_meta_model(self) -> None:
+        """A full state dict on rank 0, broadcast and sharded into a model built on meta
+        (``load_state_dict(assign=True)``), then one step against a model sharded from
+        rank 0's copy: equal losses and grads."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        rank = dist.get_rank()
+        torch.manual_seed(42)
+        full = _Net().state_dict() if rank == 0 else None
+        with torch.device("meta"):
+            model = _shard(_Net(), shardwise.fully_shard, mesh=mesh)
+        loaded = {}
+        for name, meta in model.state_dict().items():
+            value = full[name].clone() if rank == 0 else torch.empty(meta.shape, dtype=meta.dtype)
+            dist.broadcast(value, src=0)
+            loaded[name] = nn.Parameter(distribute_tensor(value, meta.device_mesh, meta.placements))
+        model.load_state_dict(loaded, assign=True)
+
+        reference = _Net()
+        if rank == 0:
+            reference.load_state_dict(full)
+        for param in reference.parameters():
+            dist.broadcast(param.detach(), src=0)
+        reference = _shard(reference, shardwise.fully_shard, mesh=mesh)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), name
+        x = torch.randn(2, 6, generator=torch.Generator().manual_seed(rank))
+        losses = [m(x).sum() for m in (model, reference)]
+        for loss in losses:
+            loss.backward()
+        assert torch.equal(*losses)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local()), f"{name}.grad"
+
+    def test_hsdp_by_hand_with_a_custom_all_reduce_hook_like_torch(self) -> None:
+        """FSDP over pairs of ranks, an all-reduce hook averaging the gradient shards across
+        the pairs (HSDP built by hand, as torchft does): bit-equal to torch's."""
+        rank, world = dist.get_rank(), self.world_size
+        intra, _ = dist.new_subgroups(group_size=2)
+        inter, _ = dist.new_subgroups_by_enumeration([list(range(i, world, 2)) for i in range(2)])
+        mesh = DeviceMesh.from_group(intra, "cpu", dist.get_process_group_ranks(intra), mesh_dim_names=("shard",))
+        torch.manual_seed(0)
+        base = _Net()
+        calls = []
+
+        def hook(grad: torch.Tensor) -> None:
+            calls.append(grad.dtype)
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=inter)
+            grad.div_(dist.get_world_size(inter))
+
+        theirs = _shard(copy.deepcopy(base), torch_fully_shard, mesh=mesh)
+        ours = _shard(base, shardwise.fully_shard, mesh=mesh)
+        for model in (ours, theirs):
+            for module in (*model.layers, model):
+                module.set_all_reduce_hook(hook)
+        _train_side_by_side(ours, theirs)
+        assert len(calls) == 2 * 3 * STEPS, f"rank {rank}: {len(calls)} hook calls"
+
+
+class TestTwoThreadRanks(_Cases, ThreadedCase):
+    WORLD_SIZE = 2
+
+
+class TestFourThreadRanks(_Cases, _Broadcast, ThreadedCase):
+    WORLD_SIZE = 4
+
+
+class TestEightThreadRanks(_Cases, _Broadcast, ThreadedCase):
+    WORLD_SIZE = 8
+
+
+class TestTwoThreadRanksAgain(_Cases, ThreadedCase):
+    """After 4 and 8: group "0" has had three other memberships in this process."""
+
+    WORLD_SIZE = 2

@@ -5,13 +5,23 @@ group's ledger; ranks that run the same program give the same collective the sam
 number, so "collective #41 on group G" names one thing on every rank. The ledger also
 counts steps (root forwards that use the group) and names the store keys the order
 check uses. One ledger per process-group object (ranks can be threads of one process,
-each with its own group objects); its key prefix adds how many ledgers this rank made for
-a group of that name, so a re-created group never reads a dead one's keys.
+each with its own group objects).
+
+Its key prefix adds a generation: how many times this rank made a ledger for a group of
+this name *and these members*, counted in the store the keys live in (see
+:func:`_generation`). Process groups are destroyed and re-created (torch's threaded test
+harness does it between tests, a job may re-initialise): a re-created group never reads a
+dead one's keys, and every member of it agrees on the generation, because each member
+counts the same creations. A count kept per process would not: with ranks as threads of
+one process, a name that came back with other members (group "0" of a 2-rank test, then
+of a 4-rank one) left ranks 0-1 on generation 2 and ranks 2-3 on 1, each waiting forever
+for keys the others never wrote.
 """
 
 from __future__ import annotations
 
 import weakref
+import zlib
 
 import torch.distributed as dist
 
@@ -29,7 +39,7 @@ class Ledger:
     name: str  # the group's name, identical on every rank
     ranks: list[int]  # global ranks of the group
     rank: int  # our global rank
-    prefix: str  # store key prefix of this ledger: shardwise/faults/<name>.<generation>
+    prefix: str  # store key prefix of this ledger: shardwise/faults/<name>.<members>.<generation>
     seq: int  # number of collectives recorded so far (the next one's index)
     step: int  # current step on this group (0-based)
     last_checked: int | None  # seq of the last order-checked collective (its key is deleted later)
@@ -39,7 +49,7 @@ class Ledger:
         self.name = pg.group_name
         self.ranks = dist.get_process_group_ranks(pg)
         self.rank = dist.get_rank()
-        self.prefix = f"shardwise/faults/{self.name}.{generation}"
+        self.prefix = f"shardwise/faults/{self.name}.{_members_tag(self.ranks)}.{generation}"
         self.host_waits = dist.get_backend(pg) == "gloo"
         self.seq = 0
         self.step = 0
@@ -96,7 +106,6 @@ class Ledger:
 # id(group) -> (weakref(group), its ledger): a plain dict lookup per collective (a
 # WeakKeyDictionary makes a weakref per lookup); the weakref rules out a reused id.
 _LEDGERS: dict[int, tuple["weakref.ref[dist.ProcessGroup]", Ledger | None]] = {}
-_GENERATIONS: dict[tuple[str, int], int] = {}  # (group name, global rank) -> ledgers made
 
 
 def ledger_for(pg: dist.ProcessGroup) -> Ledger | None:
@@ -104,12 +113,24 @@ def ledger_for(pg: dist.ProcessGroup) -> Ledger | None:
     entry = _LEDGERS.get(id(pg))
     if entry is not None and entry[0]() is pg:
         return entry[1]
-    ledger = None
-    if dist.get_world_size(pg) > 1:
-        key = (pg.group_name, dist.get_rank())
-        _GENERATIONS[key] = _GENERATIONS.get(key, 0) + 1
-        ledger = Ledger(pg, _GENERATIONS[key])
+    ledger = Ledger(pg, _generation(pg)) if dist.get_world_size(pg) > 1 else None
     for key in [k for k, (ref, _) in _LEDGERS.items() if ref() is None]:  # groups destroyed since
         del _LEDGERS[key]
     _LEDGERS[id(pg)] = (weakref.ref(pg), ledger)
     return ledger
+
+
+def _generation(pg: dist.ProcessGroup) -> int:
+    """How many ledgers this rank has made for a group of ``pg``'s name and members, this
+    one included, counted in the default store (one ``add``, once per group). A fresh store
+    (torch's threaded harness makes one per test) starts every count at 1 with no old keys
+    to meet; a kept store (a job re-initialising its groups) gives every member the same
+    next count."""
+    members = _members_tag(dist.get_process_group_ranks(pg))
+    key = f"shardwise/faults/generation/{pg.group_name}.{members}/{dist.get_rank()}"
+    return dist.distributed_c10d._get_default_store().add(key, 1)
+
+
+def _members_tag(ranks: list[int]) -> str:
+    """A short tag of a group's members: names alone repeat with other members."""
+    return f"{zlib.crc32(','.join(map(str, ranks)).encode()):08x}"
