@@ -127,12 +127,14 @@ def pack_dividing(
     flat = packed.view(-1)
     if total < SMALL_GRAD_NUMEL * len(grads) and all(g.dtype == dtype for g in grads):
         torch.cat([g.reshape(-1) for g in grads], out=flat)  # (P,)
-        return packed.div_(divisor)
+        return packed.div_(divisor) if divisor != 1.0 else packed
     offset = 0
     for grad in grads:
         numel = grad.numel()
         out = flat[offset : offset + numel].view(grad.shape)
-        if grad.dtype == dtype:
+        if divisor == 1.0:
+            out.copy_(grad)
+        elif grad.dtype == dtype:
             torch.div(grad, divisor, out=out)
         else:  # divide in the reduce dtype, not the gradient's (bf16 -> fp32 keeps fp32 precision)
             out.copy_(grad).div_(divisor)
@@ -313,12 +315,15 @@ def plan_reduction(
     With ``shard_size`` 1 (replicate) the reduced buffer is the whole gradient, so a
     post-divide would be a second pass over it: the division happens before the sum
     instead, fused into packing (:func:`pack_dividing`), as DDP divides into its buckets.
-    That is also torch's world-size-1 numerics: exactly one division by the factor.
+    At world size 1 nothing is communicated: the packed gradients are divided once, after
+    packing, out of place (torch's one ``aten.div.Tensor``), and not at all without a factor.
 
     A ``divide_factor`` other than the shard size, in fp32/bf16 and without
     ``force_sum``, is torch's ``PREMUL_SUM(1/f)``: every rank multiplies its gradient by
     ``1/f`` before the SUM (bit-equal to torch; ``x * (1/f)`` and ``x / f`` round apart).
     """
+    if world == 1:  # nothing is communicated: one division of the packed gradients, as torch
+        return ReducePlan(1.0, 1.0 if divide_factor is None else float(divide_factor))
     premul = divide_factor is not None and divide_factor != shard_size and shard_size > 1
     if premul and not force_sum and dtype in (torch.float32, torch.bfloat16):
         return ReducePlan(1.0, 1.0, 1.0 / divide_factor)

@@ -196,6 +196,8 @@ class GradReducer:
         so it overlaps the rest of backward."""
         flat = packed.view(-1)  # (Pg,)
         mesh_info = self.group.mesh_info
+        if mesh_info.replicate_size == 1 and post_divide != 1.0:  # world size 1: torch's one division
+            return _PendingReduce(None, flat / post_divide, params, 1.0, packed)
         if mesh_info.replicate_size == 1 or not self.requires_all_reduce or self._partial is not None:
             return _PendingReduce(None, flat, params, post_divide, packed)
         start = tracing.comm_clock()

@@ -1,0 +1,166 @@
+"""Gradient reduction numerics at the world sizes where they differ: 4 and 8 ranks, every mesh
+shape, default averaging and divide factors, bit-equal to torch's FSDP2 every step.
+
+At 2 ranks any of the ways to average (AVG, SUM then a division, a premultiplied SUM) give
+the same bits; at 4 and 8 the op decides gloo's algorithm and its summation order, and
+HSDP's split (reduce-scatter over ``shard``, all-reduce over ``replicate``) decides which
+partial sums meet. torch 2.13 picks per case: AVG for the mean, AVG for a factor equal to
+the reduce-scatter group's size, ``PREMUL_SUM(1/f)`` for any other factor (which gloo
+lacks: torch then runs with ``set_force_sum_reduction_for_comms(True)``, the same bits for
+a power-of-two factor, or for any factor with a custom reduce-scatter that premultiplies as
+NCCL's PREMUL_SUM does), and SUM for the HSDP all-reduce under a factor. shardwise must give
+the same losses, parameters and gradients with no such help.
+
+The root alone gets the factor (``set_gradient_divide_factor`` is not recursive), the
+blocks keep the mean; ``reshard_after_forward=False``; AdamW amplifies any bit of
+difference into visible drift within a few steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as TorchReduceScatter
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import shardwise
+from _models import Transformer
+from _nd_helpers import TIMEOUT, generator, lm_loss, make_mesh, token_batches
+from shardwise.testing import run_on_ranks
+
+STEPS = 4
+DIMS = dict(vocab_size=17, dim=8, n_layers=2, n_heads=2, max_seq_len=8, ffn_hidden=12)
+
+
+def _shard(model, fully_shard_fn, mesh):
+    for layer in model.layers:
+        fully_shard_fn(layer, mesh=mesh, reshard_after_forward=False)
+    return fully_shard_fn(model, mesh=mesh, reshard_after_forward=False)
+
+
+def _mesh(shape: tuple[int, ...]):
+    return make_mesh(shape, ("replicate", "shard") if len(shape) == 2 else None)
+
+
+def _torch_can_premultiply(shape: tuple[int, ...], factor: float | None) -> bool:
+    """Whether torch's FSDP2 runs this case on gloo as it is (no PREMUL_SUM there)."""
+    shard_size = shape[-1]
+    return factor is None or shard_size == 1 or factor == shard_size
+
+
+class PremulSumOnGloo(TorchReduceScatter):
+    """torch's reduce-scatter with ``PREMUL_SUM(s)`` done as NCCL defines it (each rank's
+    input times ``s``, then a SUM), for gloo, which lacks the op: torch's own FSDP2 code
+    path becomes the premultiplied reference."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # torch passes PREMUL_SUM(1/f)
+            input_tensor.mul_(self.scale)
+            op = dist.ReduceOp.SUM
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _parity(shape: tuple[int, ...], factor: float | None, reference: str = "torch") -> list[float]:
+    mesh = _mesh(shape)
+    torch.manual_seed(0)
+    base = Transformer(**DIMS)
+    theirs = _shard(copy.deepcopy(base), torch_fully_shard, mesh)
+    ours = _shard(base, shardwise.fully_shard, mesh)
+    if factor is not None:
+        ours.set_gradient_divide_factor(factor)
+        theirs.set_gradient_divide_factor(factor)
+        if reference == "premul":
+            theirs.set_custom_reduce_scatter(PremulSumOnGloo(1.0 / factor))
+        elif not _torch_can_premultiply(shape, factor):
+            theirs.set_force_sum_reduction_for_comms(True)  # SUMs, then / factor: same bits for 2**k
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    gen = generator(dist.get_rank())
+    losses = []
+    for step in range(STEPS):
+        (tokens,) = token_batches(gen, DIMS["vocab_size"], 1)
+        step_losses = []
+        for model, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            loss = lm_loss(model, tokens)
+            loss.backward()
+            step_losses.append(loss.detach())
+        where = f"rank {dist.get_rank()}, step {step}, mesh {shape}, factor {factor}"
+        assert torch.equal(*step_losses), f"loss at {where}: {step_losses}"
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), f"{name} at {where}"
+            assert torch.equal(p.grad.to_local(), q.grad.to_local()), (
+                f"{name}.grad at {where}: max diff {(p.grad.to_local() - q.grad.to_local()).abs().max()}"
+            )
+        for opt in opts:
+            opt.step()
+        losses.append(step_losses[0].item())
+    return losses
+
+
+@pytest.mark.parametrize("factor", [None, 8.0, 4.0, 3.0], ids=["mean", "factor_8", "factor_4", "factor_3"])
+@pytest.mark.parametrize("shape", [(4,), (2, 2), (4, 1)], ids=["fsdp_4", "hsdp_2x2", "replicate_4x1"])
+def test_four_ranks_like_torch(shape, factor):
+    reference = "premul" if not _torch_can_premultiply(shape, factor) and factor == 3.0 else "torch"
+    run_on_ranks(_parity, 4, shape, factor, reference, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("factor", [None, 16.0], ids=["mean", "factor_16"])
+@pytest.mark.parametrize("shape", [(8,), (2, 4), (8, 1)], ids=["fsdp_8", "hsdp_2x4", "replicate_8x1"])
+def test_eight_ranks_like_torch(shape, factor):
+    run_on_ranks(_parity, 8, shape, factor, timeout=2 * TIMEOUT)
+
+
+class _DivCounter(TorchDispatchMode):
+    """Counts ``aten.div.Tensor`` calls (torch's tests watch the division this way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.div.Tensor:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _world_size_one_divisions(factor: float | None) -> dict[str, int]:
+    """One backward of a single-group model at world size 1 under a divide factor."""
+    mesh = _mesh((1,))
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    plain = copy.deepcopy(base)
+    counts, grads = {}, {}
+    for name, fully_shard_fn, model in (("ours", shardwise.fully_shard, base),
+                                        ("torch", torch_fully_shard, copy.deepcopy(base))):
+        fully_shard_fn(model, mesh=mesh)
+        if factor is not None:
+            model.set_gradient_divide_factor(factor)
+        loss = model(torch.ones(2, 8)).sum()
+        with _DivCounter() as counter:
+            loss.backward()
+        counts[name] = counter.count
+        grads[name] = [p.grad.to_local() for p in model.parameters()]
+    plain(torch.ones(2, 8)).sum().backward()
+    for ours, theirs, p in zip(grads["ours"], grads["torch"], plain.parameters()):
+        assert torch.equal(ours, theirs) and torch.equal(ours, p.grad / (factor or 1.0))
+    return counts
+
+
+@pytest.mark.parametrize("factor", [None, 1.0, 2.0])
+def test_world_size_one_divides_once_like_torch(factor):
+    """Nothing is communicated at world size 1: torch divides the packed gradients once
+    (one ``aten.div.Tensor``) under a factor, never without one. A factor of 1 divides
+    nothing in shardwise (torch divides by 1.0: one call, kept out on purpose)."""
+    (counts,) = run_on_ranks(_world_size_one_divisions, 1, factor, timeout=TIMEOUT)
+    expected = counts["torch"] if factor != 1.0 else 0
+    assert counts["ours"] == expected, counts
