@@ -49,6 +49,21 @@ def get_state(module: nn.Module) -> "ModuleState | None":
     return module.__dict__.get(STATE_ATTR)
 
 
+def state_accessor(api: str) -> Callable[[nn.Module], "ModuleState | None"]:
+    """The ``state`` attribute of the public call ``api`` ("fully_shard" or "replicate"),
+    as torch's composable-API contract gives its functions: ``fully_shard.state(module)``
+    is the :class:`ModuleState` of the ``fully_shard`` call that manages ``module`` (one
+    object per call, shared by the modules of a grouped call), or None when that call was
+    not applied to it (a submodule, or a module of the other API)."""
+
+    def state(module: nn.Module) -> "ModuleState | None":
+        found = get_state(module)
+        return found if found is not None and found.api == api else None
+
+    state.__qualname__ = f"{api}.state"
+    return state
+
+
 class IterationContext:
     """What the states under one root share: membership and per-iteration bookkeeping."""
 
@@ -236,6 +251,8 @@ class ModuleState(_State):
         init_checks.assign_fqns(self.modules[0], states)
         for state in states:
             state._resolve_reshard_after_forward()
+            for group in state.groups:
+                group.adopt_if_replaced()
         init_checks.check_no_param_in_two_groups(states)
         init_checks.check_ranks_agree(states)
         logger.debug("shardwise lazy init: root %s with %d states", self, len(states))
