@@ -261,10 +261,7 @@ class FSDPModule:
         for group in self._single_group_setter("set_all_reduce_hook"):
             info = group.mesh_info
             if stream is not None and info.shard_mesh_dim is not None and info.replicate_mesh_dim is not None:
-                raise ValueError(
-                    "stream cannot be set when using native HSDP: the hook runs after the all-reduce over the "
-                    "replicate dim; call set_all_reduce_hook(hook) without stream"
-                )
+                raise ValueError("stream cannot be set when using native HSDP")  # torch's words, exactly
             group.reducer.all_reduce_hook = hook
             group.reducer.all_reduce_hook_stream = stream
 

@@ -88,8 +88,8 @@ class ShardedParam:
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard doesn't support scalar parameters. Change {sites[0].name} to a 1D tensor with "
-                f"numel equal to 1. The 0-d parameter {sites[0].fqn or sites[0].name!r} of "
-                f"{type(sites[0].module).__name__}: reshape it to shape (1,) or pass it in ignored_params"
+                f"numel equal to 1. {sites[0].fqn or sites[0].name!r} of {type(sites[0].module).__name__} is 0-d: "
+                "reshape it to shape (1,) or pass it in ignored_params"
             )
         self.sites = sites
         self.fqn = sites[0].fqn or sites[0].name

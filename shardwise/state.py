@@ -231,18 +231,19 @@ class ModuleState(_State):
         if len(self.modules) > 1:
             names = ", ".join(type(m).__name__ for m in self.modules)
             raise RuntimeError(
-                f"a grouped fully_shard([{names}]) cannot be the root: apply fully_shard to the module that "
-                "contains them as well, and run forward through that root"
+                f"FSDP requires a single root module but got a grouped fully_shard([{names}]): it cannot be the "
+                "root; apply fully_shard to the module that contains them as well, and run forward through that root"
             )
         states = _states_under(self.modules)
         for state in states[1:]:
             if state.ctx is not None:
                 names = {id(m): name for name, m in self.modules[0].named_modules()}
                 child = state.modules[0]
+                name = names.get(id(child), "?")
                 raise RuntimeError(
-                    f"shardwise: submodule {names.get(id(child), '?')!r} ({type(child).__name__}) already ran "
-                    "forward as its own root before its parent "
-                    f"{type(self.modules[0]).__name__} (the root) ran; run forward through the root module first"
+                    f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
+                    f"through the root module first: submodule {name!r} ({type(child).__name__}) already ran forward "
+                    f"as its own root before its parent {type(self.modules[0]).__name__} (the root) ran"
                 )
         ctx = IterationContext(self, states)
         for state in states:
