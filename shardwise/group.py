@@ -35,6 +35,7 @@ from shardwise.mesh import MeshInfo, PostForwardGroup
 from shardwise.param import ShardedParam, ShardedState
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardwise.reduce import GradReducer
+from shardwise.torch_names import TorchGroupNames
 
 
 class TrainingState(enum.Enum):
@@ -54,7 +55,7 @@ class _PendingGather:
     scratch: list[torch.Tensor] = dataclasses.field(default_factory=list)  # ours to free once copied out
 
 
-class ParamGroup:
+class ParamGroup(TorchGroupNames):
     """All params of one fully_shard call on one mesh: one all-gather, one reduce-scatter."""
 
     params: list[ShardedParam]

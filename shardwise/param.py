@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardwise.mesh import MeshInfo
+from shardwise.torch_names import TorchParamNames
 
 
 class ShardedState(enum.Enum):
@@ -64,7 +65,7 @@ def shard_rows(dim_size: int, num_shards: int) -> tuple[int, list[int]]:
     return padded, rows
 
 
-class ShardedParam:
+class ShardedParam(TorchParamNames):
     """One managed parameter: shard metadata, the sharded DTensor and the unsharded view."""
 
     sites: list[ParamSite]

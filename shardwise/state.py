@@ -39,6 +39,7 @@ from shardwise.group import ParamGroup, TrainingState
 from shardwise.mesh import MeshInfo
 from shardwise.policies import MixedPrecisionPolicy
 from shardwise.prefetch import ForwardPrefetcher
+from shardwise.torch_names import TorchContextNames, TorchStateNames
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def state_accessor(api: str) -> Callable[[nn.Module], "ModuleState | None"]:
     return state
 
 
-class IterationContext:
+class IterationContext(TorchContextNames):
     """What the states under one root share: membership and per-iteration bookkeeping."""
 
     root: "ModuleState"
@@ -166,7 +167,7 @@ class _PostBackwardTrigger(torch.autograd.Function):
         return (None,) + grads
 
 
-class ModuleState(_State):
+class ModuleState(TorchStateNames, _State):
     """Hooks for the module(s) of one fully_shard call, delegating the work to its groups."""
 
     modules: tuple[nn.Module, ...]

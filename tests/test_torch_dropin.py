@@ -2,7 +2,9 @@
 torch's ``fully_shard`` on the same inputs in the same test where torch can run it:
 
 - ``fully_shard.state(module)`` (and ``replicate.state``): the composable-API accessor, one
-  state object per call, reachable through the switch as well;
+  state object per call, reachable through the switch as well; the private names of torch's
+  state that torch's own tests read (``_lazy_init()``, ``_is_root``, ``_fsdp_param_group``...)
+  give what torch's give;
 - a parameter assigned after ``fully_shard`` and before the first forward (meta init, the
   root's parameter computed from its children's sharded weights) is picked up at lazy init
   and trains bit-equal to torch;
@@ -73,6 +75,36 @@ def _state_accessor() -> None:
 
 def test_fully_shard_state_is_one_object_per_call_like_torch():
     run_on_ranks(_state_accessor, 2, timeout=TIMEOUT)
+
+
+def _what_torch_tests_read(fully_shard_fn) -> dict:
+    """What torch's test_fully_shard_init reads through torch's private state names."""
+    model = nn.Sequential(MLP(8, 8, 8), MLP(8, 8, 8))
+    fully_shard_fn(model[0].in_proj)
+    fully_shard_fn(model[0].out_proj)
+    fully_shard_fn(model)
+    root = fully_shard_fn.state(model)
+    root._lazy_init()
+    states = [root] + [fully_shard_fn.state(m) for m in (model[0].in_proj, model[0].out_proj)]
+    return {
+        "is_root": [s._is_root for s in states],
+        "all_states_are_the_states": root._state_ctx.all_states == states,
+        "groups": [
+            (s._fsdp_param_group._module_fqn, sorted(p._param_fqn for p in s._fsdp_param_group.fsdp_params))
+            for s in states
+        ],
+        "group_lists": [len(s._fsdp_param_groups) for s in states],
+    }
+
+
+def _torch_private_names() -> None:
+    ours, theirs = _what_torch_tests_read(shardwise.fully_shard), _what_torch_tests_read(torch_fully_shard)
+    assert ours == theirs, (ours, theirs)
+    assert ours["is_root"] == [True, False, False] and ours["all_states_are_the_states"]
+
+
+def test_torch_private_state_names_read_like_torch():
+    run_on_ranks(_torch_private_names, 2, timeout=TIMEOUT)
 
 
 # ---------------------------------------------------------------- a parameter assigned before lazy init
