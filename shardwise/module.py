@@ -54,9 +54,9 @@ class FSDPModule:
 
     def __deepcopy__(self, memo: dict) -> NoReturn:
         raise UnsupportedOperationError(
-            f"FSDP does not support deepcopy: cannot deepcopy {type(self).__name__}: it is sharded by shardwise.fully_shard and its "
-            "parameters are views into communication buffers; deepcopy the model before fully_shard, "
-            "or build a new one and load a state dict"
+            f"FSDP does not support deepcopy: cannot deepcopy {type(self).__name__}: it is sharded by "
+            "shardwise.fully_shard and its parameters are views into communication buffers; deepcopy the model "
+            "before fully_shard, or build a new one and load a state dict"
         )
 
     def _shardwise_state(self) -> ModuleState:

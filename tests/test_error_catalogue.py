@@ -81,6 +81,12 @@ def _forward_on_meta():
     _sharded(model, "a")(torch.ones(2, 4))
 
 
+def _plain_parameter_assigned_after_fully_shard():
+    model = _sharded(Pair(), "a")
+    model.b.weight = nn.Parameter(torch.ones(4, 4))  # full and plain: not a shard of anything
+    model(torch.ones(2, 4))
+
+
 def _grouped_root():
     model = Pair()
     shardwise.fully_shard([model.a, model.b])
@@ -162,6 +168,10 @@ CASES = {
     "fully-shard-after-optimizer-stepped": (_fully_shard_after_optimizer_stepped, RuntimeError, r"SGD\.step\(\).*'a\.weight'.*fully_shard was applied after it"),
     "module-shared-by-two-blocks": (_module_shared_by_two_blocks, ValueError, r"'shared\.weight'.*already sharded.*as 'shared\.weight'.*two fully_shard-ed modules.*shared module itself"),
     "forward-with-meta-params": (_forward_on_meta, RuntimeError, r"meta device.*to_empty"),
+    "plain-parameter-assigned-after-fully-shard": (
+        _plain_parameter_assigned_after_fully_shard, ValueError,
+        r"'b\.weight'.*replaced by a plain Parameter of shape \(4, 4\).*assigned after fully_shard.*DTensor",
+    ),
     "grouped-call-as-root": (_grouped_root, RuntimeError, r"single root module.*grouped fully_shard\(\[(FSDP)?Linear, (FSDP)?Linear\]\): it cannot be the root"),
     "ranks-seeded-differently": (_ranks_seeded_differently, ValueError, r"ranks initialised parameter 'weight' differently.*manual_seed"),
     "reset-iter-state-on-a-child": (_reset_iter_state_on_a_child, RuntimeError, r"reset_iter_state\(\) must be called on the root"),
