@@ -346,3 +346,8 @@ def _accumulate_sharded_grad(p: ShardedParam, local: torch.Tensor) -> None:
         sharded.grad = p.to_sharded_dtensor(local)
     else:
         sharded.grad._local_tensor.add_(local)
+    # The sharded param is no autograd leaf of this backward (the unsharded view is), so the
+    # hooks a user registered on it (an optimizer step per parameter) are run here, once its
+    # reduced gradient is in .grad, as torch's FSDP2 runs them.
+    for hook in (getattr(sharded, "_post_accumulate_grad_hooks", None) or {}).values():
+        hook(sharded)

@@ -11,6 +11,8 @@ torch's ``fully_shard`` on the same inputs in the same test where torch can run 
 - ``channels_last`` (non-contiguous) parameters: torch refuses them, shardwise shards them
   contiguously and trains like a plain model (beyond torch);
 - ``set_all_reduce_hook(hook, stream=s)``: the hook runs with ``s`` as the current stream;
+- a post-accumulate-grad hook registered on a sharded parameter runs once per backward, after
+  its reduced gradient is in ``.grad`` (an optimizer step per parameter trains as torch's);
 - the collectives are looked up on ``torch.distributed`` at call time, so a patch of
   ``dist``'s all-gather / reduce-scatter (torch's ``_single`` names, or the older aliases)
   sees every call and its dtypes, exactly the calls torch's FSDP2 makes.
@@ -228,6 +230,54 @@ def _all_reduce_hook_runs_on_its_stream() -> None:
 
 def test_all_reduce_hook_runs_with_its_stream_current():
     run_on_ranks(_all_reduce_hook_runs_on_its_stream, 2, timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------- post-accumulate-grad hooks
+
+
+def _hooked_training(fully_shard_fn, per_param_optim: bool) -> tuple[dict, list[torch.Tensor]]:
+    """Three steps of a two-block model with a post-accumulate-grad hook on every sharded
+    param, counting calls; the optimizer steps either in the hook (one per parameter, as
+    torch's test_post_acc_grad_hook_optim_parity does) or after backward."""
+    torch.manual_seed(0)
+    model = MLPStack(n_layers=2)
+    apply_fully_shard(model, fully_shard_fn)
+    counts: dict[str, int] = {}
+    optims = {p: torch.optim.AdamW([p], lr=0.01, foreach=False) for p in model.parameters()}
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+    names = {p: name for name, p in model.named_parameters()}
+
+    def hook(param: torch.Tensor) -> None:
+        counts[names[param]] = counts.get(names[param], 0) + 1
+        if per_param_optim:
+            optims[param].step()
+            optims[param].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(STEPS):
+        model(torch.randn(4, 7, generator=gen)).sum().backward()
+        if not per_param_optim:
+            optim.step()
+            optim.zero_grad()
+    return counts, [p.to_local().clone() for p in model.parameters()]
+
+
+def _post_accumulate_grad_hooks_run_like_torch() -> None:
+    for per_param_optim in (False, True):
+        (counts, ours), (their_counts, theirs) = (
+            _hooked_training(fs, per_param_optim) for fs in (shardwise.fully_shard, torch_fully_shard)
+        )
+        assert counts == their_counts and set(counts.values()) == {STEPS}, (counts, their_counts)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), per_param_optim
+    _, stepped_after = _hooked_training(shardwise.fully_shard, False)
+    _, stepped_in_hook = _hooked_training(shardwise.fully_shard, True)
+    assert all(torch.equal(a, b) for a, b in zip(stepped_after, stepped_in_hook))
+
+
+def test_post_accumulate_grad_hooks_on_sharded_params_run_once_per_backward_like_torch():
+    run_on_ranks(_post_accumulate_grad_hooks_run_like_torch, 2, timeout=TIMEOUT)
 
 
 # ---------------------------------------------------------------- collectives patched on dist
