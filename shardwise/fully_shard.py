@@ -22,13 +22,14 @@ from torch.distributed.tensor import Shard
 
 from shardwise import init_checks
 from shardwise.dynamo_compat import implements_forward
+from shardwise.errors import InvalidUsageError
 from shardwise.faults import init_values, optimizer_check
 from shardwise.group import ParamGroup
 from shardwise.mesh import MeshInfo, default_mesh, fully_shard_mesh_info, post_forward_group, spmd_mesh_info
 from shardwise.module import FSDPModule
 from shardwise.param import ParamSite, ShardedParam
 from shardwise.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, check_policies
-from shardwise.state import STATE_ATTR, ModuleState, get_state
+from shardwise.state import STATE_ATTR, ModuleState, get_state, state_accessor
 from shardwise.state_dict import register_state_dict_hooks
 
 __all__ = ["fully_shard", "build_state"]
@@ -76,6 +77,9 @@ def fully_shard(
 
     Returns:
         The same module (or list), now an instance of :class:`FSDPModule`.
+
+    ``fully_shard.state(module)`` returns the call's :class:`~shardwise.state.ModuleState`
+    (one per call; None for a module no ``fully_shard`` call was applied to).
     """
     modules = _check_modules(module, "fully_shard")
     mp_policy, offload_policy = check_policies(mp_policy, offload_policy)
@@ -88,6 +92,9 @@ def fully_shard(
         _register_state(m, state, "fully_shard")
         m.__class__ = _derived_class(type(m), FSDPModule, "FSDP")
     return module
+
+
+fully_shard.state = state_accessor("fully_shard")  # torch's composable-API accessor
 
 
 def build_state(
@@ -151,10 +158,17 @@ def _check_modules(module: object, api: str) -> list[nn.Module]:
             )
         if not implements_forward(m):
             raise ValueError(
-                f"{api} does not support {type(m).__name__}: it implements no forward() (a container); "
+                f"{api} does not support containers that do not implement forward: {type(m).__name__} "
+                "implements no forward(); "
                 f"apply it to each child module (for layer in model.layers: {api}(layer)) or to the parent"
             )
         state = get_state(m)
+        if state is not None and state.api == api:
+            raise InvalidUsageError(
+                "Each distinct composable distributed API can only be applied to a module once. "
+                f"{api} was already applied to this {type(m).__name__}; apply fully_shard or replicate once per "
+                "module"
+            )
         if state is not None:
             raise ValueError(
                 f"{state.api} was already applied to this {type(m).__name__}; apply fully_shard or replicate "
@@ -297,7 +311,10 @@ def _placement(fn: Callable | None, param: nn.Parameter, sites: list[ParamSite],
         )
     dim = result.dim + param.dim() if result.dim < 0 else result.dim
     if not 0 <= dim < param.dim():
-        raise ValueError(f"shard_placement_fn returned {result} for a {param.dim()}-d parameter {sites[0].name!r}")
+        raise InvalidUsageError(
+            f"Shard dim {result.dim} is invalid for {param.dim()}D tensor: shard_placement_fn returned {result} "
+            f"for the {param.dim()}-d parameter {sites[0].name!r}; return a dim below {param.dim()}"
+        )
     return dim, mesh_info
 
 

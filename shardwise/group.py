@@ -35,6 +35,7 @@ from shardwise.mesh import MeshInfo, PostForwardGroup
 from shardwise.param import ShardedParam, ShardedState
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardwise.reduce import GradReducer
+from shardwise.torch_names import TorchGroupNames
 
 
 class TrainingState(enum.Enum):
@@ -54,7 +55,7 @@ class _PendingGather:
     scratch: list[torch.Tensor] = dataclasses.field(default_factory=list)  # ours to free once copied out
 
 
-class ParamGroup:
+class ParamGroup(TorchGroupNames):
     """All params of one fully_shard call on one mesh: one all-gather, one reduce-scatter."""
 
     params: list[ShardedParam]
@@ -187,6 +188,14 @@ class ParamGroup:
             site.module._parameters.get(site.name) is not p.sharded_param for p in self.params for site in p.sites
         )
 
+    def adopt_if_replaced(self) -> None:
+        """Take what the modules hold now as our params if anything replaced them: after
+        ``load_state_dict(assign=True)``, and at lazy init, for a parameter user code assigned
+        after fully_shard (``model.scale = nn.Parameter(...)`` computed from the sharded
+        weights of submodules), as torch's lazy init re-reads the module's parameters."""
+        if self.registered_params_replaced():
+            self.reset_sharded_params()
+
     @property
     def param_dtype(self) -> torch.dtype:
         return self.mp_policy.param_dtype or self.layout.storage_dtype
@@ -278,8 +287,9 @@ class ParamGroup:
         if any(p.padded_shard.is_meta for p in self.params):
             names = [p.fqn for p in self.params if p.padded_shard.is_meta]
             raise RuntimeError(
-                f"cannot unshard {self.fqn or 'the root module'}: parameters {names} are on the meta device; "
-                "call module.to_empty(device=...) and initialise them first"
+                "FSDP parameters should be materialized from meta device before training, but the following "
+                f"were still on meta device: {names}; call module.to_empty(device=...) on the root and "
+                "initialise them (reset_parameters()) before the first forward"
             )
         self._wait_post_optim_event()
         self._ensure_unsharded_buffer()

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardwise.errors import InvalidUsageError
+
 if TYPE_CHECKING:
     from shardwise.policies import DataParallelMeshDims
 
@@ -95,15 +97,16 @@ def fully_shard_mesh_info(mesh: object) -> MeshInfo:
         return MeshInfo(mesh, shard_mesh_dim=0, replicate_mesh_dim=None)
     if mesh.ndim == 2:
         if mesh.mesh_dim_names is None:
-            raise ValueError(
-                f"fully_shard got a 2-D mesh without dim names {mesh}; a 2-D mesh means HSDP "
+            raise InvalidUsageError(
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified: fully_shard got a 2-D "
+                f"mesh without dim names {mesh}; a 2-D mesh means HSDP "
                 "(replicate over dim 0, shard over dim 1), so name its dims, e.g. "
                 "init_device_mesh(device, (r, s), mesh_dim_names=('replicate', 'shard')), or pass a 1-D "
                 "mesh such as mesh['dp']."
             )
         return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
     raise ValueError(
-        f"fully_shard expects a 1-D or 2-D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}; "
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} (a {mesh.ndim}-D mesh); "
         "slice the data-parallel dims out of it, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']."
     )
 

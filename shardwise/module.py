@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from shardwise.collectives import AllGather, DefaultAllGather, DefaultReduceScatter, ReduceScatter
 from shardwise.dynamo_compat import bind_untraced
+from shardwise.errors import UnsupportedOperationError
 from shardwise.group import ParamGroup
 from shardwise.state import ModuleState, get_state
 
@@ -52,10 +53,10 @@ class FSDPModule:
         return self
 
     def __deepcopy__(self, memo: dict) -> NoReturn:
-        raise RuntimeError(
-            f"cannot deepcopy {type(self).__name__}: it is sharded by shardwise.fully_shard and its "
-            "parameters are views into communication buffers; deepcopy the model before fully_shard, "
-            "or build a new one and load a state dict"
+        raise UnsupportedOperationError(
+            f"FSDP does not support deepcopy: cannot deepcopy {type(self).__name__}: it is sharded by "
+            "shardwise.fully_shard and its parameters are views into communication buffers; deepcopy the model "
+            "before fully_shard, or build a new one and load a state dict"
         )
 
     def _shardwise_state(self) -> ModuleState:
@@ -249,13 +250,20 @@ class FSDPModule:
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call ``hook(reduced)`` on each group's reduced gradient shard (after the HSDP
-        all-reduce and the averaging), before it is stored in ``.grad``."""
+        all-reduce and the averaging), before it is stored in ``.grad``.
+
+        ``stream``: the hook runs with it as the current stream (a stream of the group's
+        device: ``torch.cuda.Stream``, ``torch.cpu.Stream`` or ``torch.Stream``). As in torch,
+        it cannot be set on a native HSDP mesh (a 2-D mesh that shards and replicates).
+        """
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
         for group in self._single_group_setter("set_all_reduce_hook"):
-            if stream is not None and group.mesh_info.replicate_size > 1:
-                raise ValueError("stream cannot be set when using native HSDP")
+            info = group.mesh_info
+            if stream is not None and info.shard_mesh_dim is not None and info.replicate_mesh_dim is not None:
+                raise ValueError("stream cannot be set when using native HSDP")  # torch's words, exactly
             group.reducer.all_reduce_hook = hook
+            group.reducer.all_reduce_hook_stream = stream
 
     def set_post_optim_event(self, event: Any) -> None:
         """The event the next all-gather waits on (recorded after the optimizer step). On CUDA

@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from shardwise.mesh import MeshInfo
+from shardwise.torch_names import TorchParamNames
 
 
 class ShardedState(enum.Enum):
@@ -64,7 +65,7 @@ def shard_rows(dim_size: int, num_shards: int) -> tuple[int, list[int]]:
     return padded, rows
 
 
-class ShardedParam:
+class ShardedParam(TorchParamNames):
     """One managed parameter: shard metadata, the sharded DTensor and the unsharded view."""
 
     sites: list[ParamSite]
@@ -87,8 +88,9 @@ class ShardedParam:
     def __init__(self, param: nn.Parameter, sites: list[ParamSite], mesh_info: MeshInfo, shard_dim: int):
         if param.dim() == 0:
             raise ValueError(
-                f"fully_shard cannot shard 0-d (scalar) parameter {sites[0].fqn or sites[0].name!r} of "
-                f"{type(sites[0].module).__name__}: reshape it to shape (1,) or pass it in ignored_params"
+                f"fully_shard doesn't support scalar parameters. Change {sites[0].name} to a 1D tensor with "
+                f"numel equal to 1. {sites[0].fqn or sites[0].name!r} of {type(sites[0].module).__name__} is 0-d: "
+                "reshape it to shape (1,) or pass it in ignored_params"
             )
         self.sites = sites
         self.fqn = sites[0].fqn or sites[0].name
@@ -115,7 +117,8 @@ class ShardedParam:
         dim_size = param.size(d)
         if d != 0 and dim_size % n != 0:
             raise NotImplementedError(
-                f"shard_placement_fn returned Shard({d}) for parameter {self.fqn!r} of shape "
+                f"FSDP does not support uneven sharding on dim {d}: shard_placement_fn returned Shard({d}) "
+                f"for parameter {self.fqn!r} of shape "
                 f"{tuple(param.shape)}, but dim {d} (size {dim_size}) does not divide evenly over "
                 f"{n} shards; return Shard(0) or a dim whose size is a multiple of {n}"
             )
@@ -217,8 +220,9 @@ class ShardedParam:
         if not isinstance(param, DTensor):
             raise ValueError(
                 f"{where} was replaced by a plain {type(param).__name__} of shape {tuple(param.shape)}: "
-                "load_state_dict(assign=True) needs the sharded DTensors of model.state_dict(); load a full "
-                "state dict with torch.distributed.checkpoint.state_dict.set_model_state_dict(..., "
+                "a parameter assigned after fully_shard (or by load_state_dict(assign=True)) must be a DTensor "
+                "sharded as the one it replaces (model.state_dict()'s, or computed from sharded parameters); "
+                "load a full state dict with torch.distributed.checkpoint.state_dict.set_model_state_dict(..., "
                 "StateDictOptions(full_state_dict=True)) or without assign=True"
             )
         if param._spec.mesh != self._spmd_mesh or tuple(param.placements) != tuple(self.placements()):

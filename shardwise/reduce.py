@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import weakref
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,7 @@ class GradReducer:
     reduce_scatter_comm: collectives.ReduceScatter
     reduce_scatter_group: dist.ProcessGroup | None  # None: the shard group
     all_reduce_hook: Callable[[torch.Tensor], None] | None
+    all_reduce_hook_stream: Any  # the stream the hook runs on (torch.Stream of the device); None: current
     reduce_scatter_unused_params: bool
     max_input_buffers: int  # scheduling only: how many packed buffers may be in flight
     _pending: _PendingReduce | None
@@ -83,6 +84,7 @@ class GradReducer:
         self.reduce_scatter_comm = collectives.DefaultReduceScatter()
         self.reduce_scatter_group = None
         self.all_reduce_hook = None
+        self.all_reduce_hook_stream = None
         self.reduce_scatter_unused_params = False
         self.max_input_buffers = 1
         self._pending = None
@@ -227,7 +229,7 @@ class GradReducer:
         if pending.post_divide != 1.0:
             reduced.div_(pending.post_divide)
         if self.all_reduce_hook is not None:
-            self.all_reduce_hook(reduced)
+            self._run_all_reduce_hook(reduced)
         shards, offset = [], 0
         for p in pending.params:
             shards.append(p.shard_view(reduced[offset : offset + p.padded_numel]))  # our real rows
@@ -235,6 +237,29 @@ class GradReducer:
         for p, local in zip(pending.params, _to_sharded_devices(pending.params, shards)):
             _accumulate_sharded_grad(p, local)
         tracing.emit("reduce_done", group.fqn, group.training_state.value)
+
+    def _run_all_reduce_hook(self, reduced: torch.Tensor) -> None:
+        """``all_reduce_hook(reduced)``, on ``all_reduce_hook_stream`` when one was set.
+
+        On that stream the hook sees ``current_stream()`` as the stream, as torch's does,
+        and may overlap the next group's reduction on an accelerator. The stream first
+        waits for the current one (``reduced`` is made there) and the current one waits
+        for it after, so the gradient is written into ``.grad`` once the hook is done. On
+        CPU kernels run synchronously in issue order: no waits are needed (nor possible
+        with a ``torch.Stream("cpu")``).
+        """
+        stream = self.all_reduce_hook_stream
+        if stream is None:
+            self.all_reduce_hook(reduced)
+            return
+        device_module = torch.get_device_module(reduced.device)
+        ordered = reduced.device.type != "cpu"
+        if ordered:
+            stream.wait_stream(device_module.current_stream())
+        with device_module.stream(stream):
+            self.all_reduce_hook(reduced)
+        if ordered:
+            device_module.current_stream().wait_stream(stream)
 
     def _all_reduce_or_defer(self, pending: _PendingReduce) -> _PendingReduce | None:
         """HSDP: add any deferred shard, then all-reduce now or keep deferring."""
@@ -323,3 +348,8 @@ def _accumulate_sharded_grad(p: ShardedParam, local: torch.Tensor) -> None:
         sharded.grad = p.to_sharded_dtensor(local)
     else:
         sharded.grad._local_tensor.add_(local)
+    # The sharded param is no autograd leaf of this backward (the unsharded view is), so the
+    # hooks a user registered on it (an optimizer step per parameter) are run here, once its
+    # reduced gradient is in .grad, as torch's FSDP2 runs them.
+    for hook in (getattr(sharded, "_post_accumulate_grad_hooks", None) or {}).values():
+        hook(sharded)

@@ -16,7 +16,7 @@ from shardwise.fully_shard import _check_modules, _derived_class, _register_stat
 from shardwise.mesh import MeshInfo, check_mesh_device, default_mesh, spmd_mesh_info
 from shardwise.module import FSDPModule
 from shardwise.policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, check_policies
-from shardwise.state import get_state
+from shardwise.state import get_state, state_accessor
 
 __all__ = ["replicate", "ReplicateModule"]
 
@@ -61,6 +61,9 @@ def replicate(
         _register_state(m, state, "replicate")
         m.__class__ = _derived_class(type(m), ReplicateModule, "Replicate")
     return module
+
+
+replicate.state = state_accessor("replicate")  # torch's composable-API accessor
 
 
 def _replicate_mesh_info(mesh: DeviceMesh, dp_mesh_dims: object) -> MeshInfo:

@@ -39,6 +39,7 @@ from shardwise.group import ParamGroup, TrainingState
 from shardwise.mesh import MeshInfo
 from shardwise.policies import MixedPrecisionPolicy
 from shardwise.prefetch import ForwardPrefetcher
+from shardwise.torch_names import TorchContextNames, TorchStateNames
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,22 @@ def get_state(module: nn.Module) -> "ModuleState | None":
     return module.__dict__.get(STATE_ATTR)
 
 
-class IterationContext:
+def state_accessor(api: str) -> Callable[[nn.Module], "ModuleState | None"]:
+    """The ``state`` attribute of the public call ``api`` ("fully_shard" or "replicate"),
+    as torch's composable-API contract gives its functions: ``fully_shard.state(module)``
+    is the :class:`ModuleState` of the ``fully_shard`` call that manages ``module`` (one
+    object per call, shared by the modules of a grouped call), or None when that call was
+    not applied to it (a submodule, or a module of the other API)."""
+
+    def state(module: nn.Module) -> "ModuleState | None":
+        found = get_state(module)
+        return found if found is not None and found.api == api else None
+
+    state.__qualname__ = f"{api}.state"
+    return state
+
+
+class IterationContext(TorchContextNames):
     """What the states under one root share: membership and per-iteration bookkeeping."""
 
     root: "ModuleState"
@@ -151,7 +167,7 @@ class _PostBackwardTrigger(torch.autograd.Function):
         return (None,) + grads
 
 
-class ModuleState(_State):
+class ModuleState(TorchStateNames, _State):
     """Hooks for the module(s) of one fully_shard call, delegating the work to its groups."""
 
     modules: tuple[nn.Module, ...]
@@ -216,18 +232,19 @@ class ModuleState(_State):
         if len(self.modules) > 1:
             names = ", ".join(type(m).__name__ for m in self.modules)
             raise RuntimeError(
-                f"a grouped fully_shard([{names}]) cannot be the root: apply fully_shard to the module that "
-                "contains them as well, and run forward through that root"
+                f"FSDP requires a single root module but got a grouped fully_shard([{names}]): it cannot be the "
+                "root; apply fully_shard to the module that contains them as well, and run forward through that root"
             )
         states = _states_under(self.modules)
         for state in states[1:]:
             if state.ctx is not None:
                 names = {id(m): name for name, m in self.modules[0].named_modules()}
                 child = state.modules[0]
+                name = names.get(id(child), "?")
                 raise RuntimeError(
-                    f"shardwise: submodule {names.get(id(child), '?')!r} ({type(child).__name__}) already ran "
-                    "forward as its own root before its parent "
-                    f"{type(self.modules[0]).__name__} (the root) ran; run forward through the root module first"
+                    f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
+                    f"through the root module first: submodule {name!r} ({type(child).__name__}) already ran forward "
+                    f"as its own root before its parent {type(self.modules[0]).__name__} (the root) ran"
                 )
         ctx = IterationContext(self, states)
         for state in states:
@@ -236,6 +253,8 @@ class ModuleState(_State):
         init_checks.assign_fqns(self.modules[0], states)
         for state in states:
             state._resolve_reshard_after_forward()
+            for group in state.groups:
+                group.adopt_if_replaced()
         init_checks.check_no_param_in_two_groups(states)
         init_checks.check_ranks_agree(states)
         logger.debug("shardwise lazy init: root %s with %d states", self, len(states))

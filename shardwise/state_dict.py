@@ -73,5 +73,5 @@ class _AdoptHook:
 
     def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
         group = self._ref()
-        if group is not None and group.registered_params_replaced():
-            group.reset_sharded_params()
+        if group is not None:
+            group.adopt_if_replaced()

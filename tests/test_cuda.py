@@ -126,6 +126,33 @@ def test_world_size_one_issues_no_collectives(nccl_rank):
     assert comm.snapshot().count() == 0, comm.snapshot()
 
 
+def _hooked_grads(impl: str, stream: torch.cuda.Stream) -> tuple[list, list[torch.Tensor]]:
+    """One backward with an all-reduce hook on ``stream`` that scales the reduced grads by 2
+    after a long kernel: the streams the hook saw, and the grads (wrong if unordered)."""
+    torch.manual_seed(0)
+    model = _sharded(Transformer(**DIMS), impl, {})
+    seen = []
+
+    def hook(reduced: torch.Tensor) -> None:
+        seen.append(torch.cuda.current_stream())
+        torch.cuda._sleep(1_000_000)  # the .grad write must wait for the scaling below
+        reduced.mul_(2)
+
+    for block in [*model.layers, model]:
+        block.set_all_reduce_hook(hook, stream=stream)
+    lm_loss(model, _batches()[0]).backward()
+    return seen, [p.grad.full_tensor() for p in model.parameters()]
+
+
+def test_all_reduce_hook_runs_on_its_stream_like_torch(nccl_rank):
+    stream = torch.cuda.Stream()
+    (our_streams, ours), (their_streams, theirs) = (_hooked_grads(impl, stream) for impl in ("shardwise", "torch"))
+    assert our_streams and all(s == stream for s in our_streams), our_streams
+    assert len(our_streams) == len(their_streams) and all(s == stream for s in their_streams), their_streams
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- two ranks on one GPU (gloo)
 
 

@@ -146,8 +146,8 @@ def _unnamed_2d_mesh() -> dict:
         try:
             fully_shard_fn(Transformer(**DIMS), mesh=mesh)
             errors[name] = None
-        except Exception as err:  # recorded for both; only ours must be a ValueError
-            errors[name] = (type(err).__name__, str(err))
+        except Exception as err:  # recorded for both: ours must be a ValueError, both AssertionErrors
+            errors[name] = (type(err).__name__, str(err), isinstance(err, ValueError), isinstance(err, AssertionError))
     return errors
 
 
@@ -225,7 +225,8 @@ def test_hsdp_reduction_scaling(config):
 
 def test_hsdp_mesh_without_dim_names_raises():
     for rank, errors in enumerate(run_on_ranks(_unnamed_2d_mesh, 4, timeout=TIMEOUT)):
-        assert errors["ours"] is not None and errors["ours"][0] == "ValueError", f"rank {rank}: {errors['ours']}"
+        assert errors["ours"] is not None and errors["ours"][2], f"rank {rank}: {errors['ours']}"
         assert "name" in errors["ours"][1], errors["ours"][1]
-        # torch rejects it too (with an AssertionError: "init the 2D mesh for HSDP with mesh_dim_names")
-        assert errors["torch"] is not None, f"rank {rank}: torch accepted an unnamed 2-D mesh"
+        # torch rejects it too, with an AssertionError ("init the 2D mesh for HSDP with mesh_dim_names"): ours is one
+        assert errors["torch"] is not None and errors["torch"][3], f"rank {rank}: torch said {errors['torch']}"
+        assert errors["ours"][3] and "mesh_dim_names specified" in errors["ours"][1], errors["ours"]
