@@ -318,11 +318,18 @@ class DefaultReduceScatter(ReduceScatter):
 
 class ReducePlan(NamedTuple):
     """Scale by ``1/pre_divide`` before a SUM collective and by ``1/post_divide`` after it;
-    or multiply by ``pre_multiply`` before it (torch's ``PREMUL_SUM``)."""
+    or multiply by ``pre_multiply`` before it (torch's ``PREMUL_SUM``).
+
+    ``post_divide`` is one of two things, and the all-reduce hook runs between them as it
+    does in torch: with ``divides_as_collective`` it stands in for torch's AVG collective
+    (gloo-independent SUM plus a division), so the hook sees the divided gradient, as
+    torch's sees the AVG's output; otherwise it is torch's own post-division (fp16, forced
+    SUMs), after the hook."""
 
     pre_divide: float
     post_divide: float
     pre_multiply: float = 1.0
+    divides_as_collective: bool = False
 
 
 def plan_reduction(
@@ -355,6 +362,8 @@ def plan_reduction(
         pre = float(2 ** math.ceil(math.log2(math.sqrt(factor))))
         pre = min(pre, factor)
         return ReducePlan(pre, factor / pre)
+    if force_sum:  # torch: SUM collectives, the all-reduce hook, then one post-division
+        return ReducePlan(1.0, factor)
     if shard_size == 1:
         return ReducePlan(factor, 1.0)
-    return ReducePlan(1.0, factor)
+    return ReducePlan(1.0, factor, divides_as_collective=True)

@@ -54,6 +54,7 @@ class _PendingReduce:
     params: list[ShardedParam]  # the params whose grads were packed, in order
     post_divide: float
     packed: torch.Tensor  # (N, Pg), kept alive until the collective is done
+    divide_before_hook: bool = False  # post_divide stands in for torch's AVG: the hook sees the mean
     all_reduced: bool = False  # replicate-only: the all-reduce was the collective in flight
     receive_buffer: bool = False  # the collective holds a receive buffer besides ``reduced``
 
@@ -180,6 +181,7 @@ class GradReducer:
         tracing.emit("reduce", group.fqn, group.training_state.value)
         if n == 1:
             self._pending = self._start_without_shards(params, packed, plan.post_divide)
+            self._pending.divide_before_hook = plan.divides_as_collective
             return
         comm = self.reduce_scatter_comm
         reduced = comm.allocate((packed.size(1),), dtype=dtype, device=packed.device)
@@ -191,7 +193,10 @@ class GradReducer:
         )
         tracing.comm_issued("reduce_scatter", group.fqn, group.training_state.value, start, work)
         receive_buffer = isinstance(comm, collectives.DefaultReduceScatter) and collectives.all_to_all_receive_buffer(pg)
-        self._pending = _PendingReduce(work, reduced, params, plan.post_divide, packed, receive_buffer=receive_buffer)
+        self._pending = _PendingReduce(
+            work, reduced, params, plan.post_divide, packed, receive_buffer=receive_buffer,
+            divide_before_hook=plan.divides_as_collective,
+        )
 
     def _start_without_shards(self, params, packed: torch.Tensor, post_divide: float) -> _PendingReduce:
         """Shard size 1: nothing to reduce-scatter; replicate issues its all-reduce right away
@@ -226,10 +231,13 @@ class GradReducer:
         if pending is None:
             return
         reduced = pending.reduced
-        if pending.post_divide != 1.0:
+        divide = pending.post_divide != 1.0
+        if divide and pending.divide_before_hook:
             reduced.div_(pending.post_divide)
-        if self.all_reduce_hook is not None:
+        if self.all_reduce_hook is not None:  # on what torch's collectives give: before its post-division
             self._run_all_reduce_hook(reduced)
+        if divide and not pending.divide_before_hook:
+            reduced.div_(pending.post_divide)
         shards, offset = [], 0
         for p in pending.params:
             shards.append(p.shard_view(reduced[offset : offset + p.padded_numel]))  # our real rows

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as TorchReduceScatter
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import shardwise
@@ -164,3 +165,41 @@ def test_world_size_one_divides_once_like_torch(factor):
     (counts,) = run_on_ranks(_world_size_one_divisions, 1, factor, timeout=TIMEOUT)
     expected = counts["torch"] if factor != 1.0 else 0
     assert counts["ours"] == expected, counts
+
+
+def _hook_sees_what_torchs_sees(shape: tuple[int, ...], knob: str) -> None:
+    """An all-reduce hook that changes the gradient (adds 1): where it runs relative to the
+    division decides the result. torch runs it on its collectives' output, before its own
+    post-division (forced SUMs, fp16 reduction) and after an AVG."""
+    mesh = _mesh(shape)
+    torch.manual_seed(0)
+    base = Transformer(**DIMS)
+    kwargs = {}
+    if knob == "fp16_reduce":
+        kwargs["mp_policy"] = shardwise.MixedPrecisionPolicy(reduce_dtype=torch.float16)
+    models = {}
+    for name, fully_shard_fn in (("ours", shardwise.fully_shard), ("torch", torch_fully_shard)):
+        model = copy.deepcopy(base)
+        mp = kwargs.get("mp_policy")
+        extra = {} if mp is None else {"mp_policy": mp if name == "ours" else TorchMixedPrecisionPolicy(reduce_dtype=torch.float16)}
+        for layer in model.layers:
+            fully_shard_fn(layer, mesh=mesh, **extra)
+        fully_shard_fn(model, mesh=mesh, **extra)
+        for module in (*model.layers, model):
+            if knob == "force_sum":
+                module.set_force_sum_reduction_for_comms(True)
+            module.set_all_reduce_hook(lambda grad: grad.add_(1.0))
+        models[name] = model
+    (tokens,) = token_batches(generator(dist.get_rank()), DIMS["vocab_size"], 1)
+    for model in models.values():
+        lm_loss(model, tokens).backward()
+    for (name, p), q in zip(models["ours"].named_parameters(), models["torch"].parameters()):
+        assert torch.equal(p.grad.to_local(), q.grad.to_local()), (
+            f"{name}.grad, {knob} on {shape}: max diff {(p.grad.to_local() - q.grad.to_local()).abs().max()}"
+        )
+
+
+@pytest.mark.parametrize("knob", ["mean", "force_sum", "fp16_reduce"])
+@pytest.mark.parametrize("shape", [(4,), (2, 2)], ids=["fsdp_4", "hsdp_2x2"])
+def test_all_reduce_hook_runs_where_torchs_does(shape, knob):
+    run_on_ranks(_hook_sees_what_torchs_sees, 4, shape, knob, timeout=TIMEOUT)
