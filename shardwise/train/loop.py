@@ -51,6 +51,7 @@ from shardwise.train.tensorboard import TensorBoardLog
 
 __all__ = [
     "TrainConfig", "TrainResult", "build_model", "build_optimizer", "train_step", "mean_across_ranks", "train", "run",
+    "restore_model",
 ]
 
 logger = logging.getLogger(__name__)
@@ -364,3 +365,12 @@ def run(cfg: TrainConfig) -> TrainResult:
         raise
     teardown(env)
     return result
+
+
+def restore_model(cfg: TrainConfig, env: DistEnv) -> nn.Module:
+    """The sharded model of ``cfg`` holding the newest checkpoint in ``cfg.checkpoint_dir`` (for evaluation)."""
+    if cfg.checkpoint_dir is None:
+        raise ValueError("restore_model needs cfg.checkpoint_dir")
+    spec = preflight(cfg, env.world_size)
+    job, _ = _setup_run(dataclasses.replace(cfg, resume=True, tensorboard=None, metrics=None), env, spec)
+    return job.model
