@@ -32,7 +32,7 @@ from shardwise.train.models import ModelSpec
 from shardwise.train.parallel import apply_ac, apply_compile, apply_tp, plain_name
 from shardwise.train.sharding import ShardOptions, shard_model
 
-__all__ = ["build_sharded", "materialize"]
+__all__ = ["build_sharded", "sharded_on_meta", "materialize"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,13 @@ Weights = Callable[[str], torch.Tensor]
 
 def build_sharded(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Module:
     """The model of ``spec``, parallelised and sharded as ``cfg`` says, with its values on ``env.device``."""
+    model = sharded_on_meta(cfg, env, spec)
+    materialize(model, spec, env.device, cfg.seed, spec.weights())
+    return model
+
+
+def sharded_on_meta(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Module:
+    """The model of ``spec``, parallelised and sharded, still on the meta device (no memory)."""
     with torch.device("meta"):
         model = spec.build()
     blocks = spec.blocks(model)
@@ -52,9 +59,7 @@ def build_sharded(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Module:
     if cfg.compile:
         apply_compile(blocks, cfg.compile_backend)
     opts = ShardOptions(cfg.impl, cfg.mixed_precision, cfg.reshard_after_forward, cfg.cpu_offload)
-    shard_model(model, list(blocks), env.mesh, opts)
-    materialize(model, spec, env.device, cfg.seed, spec.weights())
-    return model
+    return shard_model(model, list(blocks), env.mesh, opts)
 
 
 def _copy_shard(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -101,6 +106,7 @@ def materialize(model: nn.Module, spec: ModelSpec, device: torch.device, seed: i
             module._parameters.update(params)
         for n, p in params.items():
             _copy_shard(p, temps[n])
+        del temps  # before the next module's are made: one module's full tensors at a time
 
 
 def _loaded(weights: Weights, name: str, param: torch.Tensor) -> torch.Tensor:
