@@ -123,6 +123,48 @@ def test_gpt_preset_exports_a_state_dict_and_config(tmp_path):
         assert torch.equal(load_gpt(tmp_path / "out")(tokens), sharded[0])
 
 
+def _pretrained_dir(root: Path) -> Path:
+    """A local Transformers model directory: random Llama weights (safetensors) and a small BPE tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    out = root / "pretrained"
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def foo(x):\n    return x + 1\n" * 50, "import os\nclass A: pass\n" * 50], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(out)
+    config = AutoConfig.for_model(**{**LLAMA, "vocab_size": 320})
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+def _loaded_on_rank(fields: dict) -> dict[str, torch.Tensor]:
+    from shardwise.train.build import build_sharded
+
+    cfg = TrainConfig(**fields)
+    model = build_sharded(cfg, _env(fields), model_spec(cfg))
+    return {name: p.full_tensor() for name, p in model.named_parameters()}
+
+
+def test_hf_model_dir_loads_its_weights_trains_on_its_tokenizer_and_exports_it(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    src = _pretrained_dir(tmp_path)
+    fields = dict(hf_model=str(src), **{**BASE, "steps": 1}, checkpoint_dir=str(tmp_path / "ckpt"))
+    loaded = run_on_ranks(_loaded_on_rank, 2, fields, timeout=TIMEOUT)[0]
+    saved = load_file(src / "model.safetensors")
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    run_on_ranks(_train_on_rank, 2, fields, timeout=TIMEOUT)
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "out")
+    text = "def foo(x): return x"
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(src)(text)["input_ids"]
+
+
 # ---------------------------------------------------------------- parity with torch's FSDP2
 
 
