@@ -197,7 +197,7 @@ def _observe(job: _Run, cfg: TrainConfig, env: DistEnv, step: int, loss: float, 
         job.eval_losses[step] = _evaluate(job, cfg, env)
         job.tensorboard.log(step, {"loss": job.eval_losses[step]}, prefix="eval/")
         if env.is_main:
-            logger.warning("step %d: held-out loss %.4f", step, job.eval_losses[step])
+            summary.print_eval(step, job.eval_losses[step])
 
 
 def _one_step(job: _Run, cfg: TrainConfig, env: DistEnv, step: int) -> tuple[float, float | None]:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ProgressBar", "format_bytes", "print_header", "summary_lines", "final_line", "print_summary", "step_report",
-    "PEAK_FLOPS", "device_peak_flops",
+    "PEAK_FLOPS", "device_peak_flops", "print_eval",
 ]
 
 
@@ -98,6 +98,11 @@ def print_header(cfg: TrainConfig, model: str, seq_len: int, env: DistEnv, devic
         f"{cfg.steps} steps x {cfg.batch_size} x {seq_len} tokens per data-parallel rank",
         flush=True,
     )
+
+
+def print_eval(step: int, loss: float) -> None:
+    """``--eval-every``: one line with the held-out loss at ``step``."""
+    print(f"step {step}: held-out loss {loss:.4f}", flush=True)
 
 
 def _comm_lines(comm: "CommStats | None", steps: int) -> list[str]:
