@@ -89,12 +89,12 @@ def _add_parallel_args(p: argparse.ArgumentParser, d) -> None:
 
     g = p.add_argument_group("parallelism and memory (see shardwise.train.parallel)")
     g.add_argument("--replicate", type=int, default=d.replicate, metavar="R",
-                   help="HSDP: an (R, N/R) mesh, sharded within R groups, replicated across them (default 1)")
+                   help="HSDP: an (R, N/R) mesh: R replicas, each sharded over N/R ranks (default 1)")
     g.add_argument("--tp", type=int, default=d.tp, metavar="T",
                    help="tensor parallel of degree T inside each block, on a (dp, tp) mesh (default 1)")
     g.add_argument("--ac", choices=AC_MODES, default=d.ac, help="activation checkpointing per block (default %(default)s)")
     g.add_argument("--compile", action="store_true", help="torch.compile each block")
-    g.add_argument("--compile-backend", default=d.compile_backend, help="torch.compile backend (default %(default)s)")
+    g.add_argument("--compile-backend", default=d.compile_backend, metavar="B", help="torch.compile backend (default %(default)s)")
     g.add_argument("--grad-accum", type=int, default=d.grad_accum, metavar="K",
                    help="split each batch into K micro-batches; gradients sync on the last only (default 1)")
     g.add_argument("--clip-norm", type=float, default=d.clip_norm, metavar="X", help="clip the global grad norm to X")

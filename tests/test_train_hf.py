@@ -121,7 +121,7 @@ def test_gpt_preset_with_tp_resumes_bit_identically_and_exports_a_state_dict_and
     run_on_ranks(_train_on_rank, 2, {**fields, "stop_after": 2}, timeout=TIMEOUT)
     run_on_ranks(_train_on_rank, 2, {**fields, "resume": True}, timeout=TIMEOUT)
     assert _curve(resumed, "loss") == _curve(ref, "loss") and len(_curve(ref, "loss")) == 4
-    export_checkpoint(tmp_path / "ckpt", tmp_path / "out")
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     sharded = run_on_ranks(_logits_on_rank, 2, fields, tokens, timeout=TIMEOUT)
     with torch.no_grad():  # TP sums row-wise partial products in another order than one matmul
@@ -189,9 +189,10 @@ def test_tp2_matches_torch_and_the_model_without_tp(model, replicate, llama_conf
     assert ours[0] == pytest.approx(without_tp[0], rel=1e-5) and ours[2] == pytest.approx(without_tp[1], rel=1e-5)
 
 
-def test_compile_matches_torch_and_eager():
+def test_compile_matches_torch_and_eager(tmp_path):
     fields = {**BASE, "steps": 3, "model": "nano", "compile": True, "compile_backend": "aot_eager"}
-    ours = _losses(fields, 2)
+    ours = _losses({**fields, "report": str(tmp_path / "report")}, 2)  # composes with the step report
+    assert (tmp_path / "report" / "summary.json").is_file()
     assert ours == _losses({**fields, "impl": "torch"}, 2)
     eager = _losses({**fields, "compile": False}, 2)
     for rank in range(2):
