@@ -1,13 +1,16 @@
 """The ``shardwise`` command line.
 
-``shardwise train`` trains a small GPT on the Python standard library's sources with
-``fully_shard``. Run from a plain shell it starts torch's own launcher for you, which in
-turn runs this same command once per rank::
+``shardwise train`` trains a GPT preset or a Transformers causal LM on the Python standard
+library's sources with ``fully_shard``. Run from a plain shell it starts torch's own launcher
+for you, which in turn runs this same command once per rank::
 
     shardwise train                       # = python -m torch.distributed.run --standalone
                                           #     --nproc-per-node 2 -m shardwise train
     shardwise train --nproc 4 --model small --mixed-precision bf16
-    shardwise train          # the same run with torch.distributed.fsdp.fully_shard
+    shardwise train --impl torch          # the same run with torch.distributed.fsdp.fully_shard
+    shardwise train --nproc 4 --hf-config llama.json --replicate 2 --ac full --grad-accum 2 \
+        --clip-norm 1 --tensorboard runs/a --checkpoint-dir ckpt
+    shardwise export ckpt out/            # a directory AutoModelForCausalLM.from_pretrained reads
 
 Under torchrun (``RANK``/``LOCAL_RANK`` are set) it trains directly, so this works too::
 
@@ -26,7 +29,17 @@ from pathlib import Path
 __all__ = ["main", "build_parser"]
 
 
+def _reshard_arg(text: str):
+    from shardwise.train.config import parse_reshard
+
+    try:
+        return parse_reshard(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_train_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``shardwise train``; each ``dest`` is a :class:`TrainConfig` field of the same name."""
     from shardwise.train.config import LR_SCHEDULES, TrainConfig
     from shardwise.train.model import PRESETS
     from shardwise.train.sharding import IMPLS, MIXED_PRECISION
@@ -37,7 +50,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     add("--model", choices=sorted(PRESETS), default=d.model,
         help="size: nano ~43K (tests), tiny ~1M, small ~10M, medium ~50M parameters (default %(default)s)")
     add("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
-    add("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step (default %(default)s)")
+    add("--batch-size", type=int, default=d.batch_size, help="sequences per data-parallel rank per step (default %(default)s)")
     add("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (default: the preset's)")
     add("--lr", type=float, default=d.lr, help="AdamW learning rate (default %(default)s)")
     add("--seed", type=int, default=d.seed, help="seed for initialisation and sampling (default %(default)s)")
@@ -53,13 +66,50 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="constant, or cosine: linear warm-up then decay to 10%% at --steps (default %(default)s)")
     add("--warmup-steps", type=int, default=d.warmup_steps, help="warm-up steps of the cosine schedule")
     add("--metrics", metavar="PATH", help="append one JSON line per step (step, loss, tokens_per_s, ...) to PATH")
-    add("--reshard-after-forward", choices=("true", "false"), default=str(d.reshard_after_forward).lower(),
-        help="free each block's gathered parameters after forward (default %(default)s)")
     add("--report", metavar="DIR", help="write a step report (time, exposed communication, memory, plots) into DIR")
+    _add_model_args(p)
+    _add_parallel_args(p, d)
+    _add_watch_args(p, d)
     _add_checkpoint_args(p, d)
     add("--auto", action="store_true",
         help="shard as shardwise.plan says and report predicted vs measured peak memory")
     add("-v", "--verbose", action="store_true", help="log set-up details from every rank")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Transformers models (instead of --model; see shardwise.train.hf)")
+    g.add_argument("--hf-config", metavar="PATH",
+                   help="build a causal LM from this local config.json (or a directory holding one), random weights")
+    g.add_argument("--hf-model", metavar="DIR",
+                   help="load a causal LM from this local directory (config.json, safetensors, tokenizer if any)")
+
+
+def _add_parallel_args(p: argparse.ArgumentParser, d) -> None:
+    from shardwise.train.config import AC_MODES
+
+    g = p.add_argument_group("parallelism and memory (see shardwise.train.parallel)")
+    g.add_argument("--replicate", type=int, default=d.replicate, metavar="R",
+                   help="HSDP: an (R, N/R) mesh: R replicas, each sharded over N/R ranks (default 1)")
+    g.add_argument("--tp", type=int, default=d.tp, metavar="T",
+                   help="tensor parallel of degree T inside each block, on a (dp, tp) mesh (default 1)")
+    g.add_argument("--ac", choices=AC_MODES, default=d.ac, help="activation checkpointing per block (default %(default)s)")
+    g.add_argument("--compile", action="store_true", help="torch.compile each block")
+    g.add_argument("--compile-backend", default=d.compile_backend, metavar="B", help="torch.compile backend (default %(default)s)")
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum, metavar="K",
+                   help="split each batch into K micro-batches; gradients sync on the last only (default 1)")
+    g.add_argument("--clip-norm", type=float, default=d.clip_norm, metavar="X", help="clip the global grad norm to X")
+    g.add_argument("--reshard-after-forward", type=_reshard_arg, default=d.reshard_after_forward, metavar="true|false|INT",
+                   help="free each block's gathered parameters after forward, or keep them sharded over INT ranks "
+                        "(default true)")
+    g.add_argument("--cpu-offload", action="store_true", help="keep sharded params, grads and optimizer state on the host")
+
+
+def _add_watch_args(p: argparse.ArgumentParser, d) -> None:
+    g = p.add_argument_group("watching the run")
+    g.add_argument("--tensorboard", metavar="DIR",
+                   help="write TensorBoard scalars (loss, lr, grad norm, tokens/s, step time, memory, wire bytes)")
+    g.add_argument("--eval-every", type=int, default=d.eval_every, metavar="K",
+                   help="held-out loss (the corpus's last 10%%) every K steps and at the end (default: off)")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser, d) -> None:
@@ -78,7 +128,7 @@ def _add_checkpoint_args(p: argparse.ArgumentParser, d) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``shardwise <command> [options]``: ``train``, ``plan``, ``report``."""
+    """``shardwise <command> [options]``: ``train``, ``plan``, ``report``, ``export``."""
     parser = argparse.ArgumentParser(prog="shardwise", description="Fully-sharded data parallel training.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
@@ -96,21 +146,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_args(plan)
     rep = commands.add_parser("report", help="print a step report's summary and top causes of exposed communication")
     rep.add_argument("dir", metavar="DIR", help="a directory written by `shardwise train --report DIR` or shardwise.report(DIR)")
+    exp = commands.add_parser(
+        "export", help="write a training checkpoint as a directory Transformers loads (one process)",
+        description="Export the newest checkpoint of CHECKPOINT_DIR (or a step-N directory) to OUT_DIR: config.json, "
+        "safetensors shards and the tokenizer if the run had one; AutoModelForCausalLM.from_pretrained(OUT_DIR) "
+        "loads a Transformers model, GPT presets load with shardwise.train.export.load_gpt(OUT_DIR).",
+    )
+    exp.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    exp.add_argument("out", metavar="OUT_DIR")
+    exp.add_argument("--max-shard-bytes", type=int, default=None, metavar="N",
+                     help="start a new safetensors file past N bytes (default 5 GB, as Transformers)")
     return parser
 
 
 def _train_config(args: argparse.Namespace):
+    """The :class:`TrainConfig` of parsed ``args``: every field whose name is a flag's ``dest``."""
+    import dataclasses
+
     from shardwise.train.config import TrainConfig
 
-    return TrainConfig(
-        model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-        seed=args.seed, mixed_precision=args.mixed_precision, impl=args.impl, device=args.device,
-        data=args.data, data_bytes=args.data_bytes, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
-        metrics=args.metrics, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        keep_last=args.keep_last, resume=args.resume, async_checkpoint=args.async_checkpoint,
-        stop_after=args.stop_after, auto=args.auto, reshard_after_forward=args.reshard_after_forward == "true",
-        report=args.report,
-    )
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
 
 
 def _child_env(nproc: int) -> dict[str, str]:
@@ -163,6 +219,18 @@ def _print_report(directory: str) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from shardwise.train.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"shardwise export: {e}") from None
+    print(f"exported {out.source} (step {out.step}) to {args.out}: {out.n_tensors} tensors, "
+          f"{out.n_bytes / 1e6:.1f} MB in {out.n_files} safetensors file(s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``shardwise`` and ``python -m shardwise``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -173,13 +241,20 @@ def main(argv: list[str] | None = None) -> int:
         return run_plan(args)
     if args.command == "report":
         return _print_report(args.dir)
-    try:
-        cfg = _train_config(args)
-    except ValueError as e:
-        raise SystemExit(f"shardwise train: {e}") from None
+    if args.command == "export":
+        return _export(args)
     from shardwise.train.distributed import is_under_launcher
 
-    if not is_under_launcher():
+    under_launcher = is_under_launcher()
+    try:
+        cfg = _train_config(args)
+        if not under_launcher:
+            from shardwise.train.preflight import preflight
+
+            preflight(cfg, args.nproc)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise SystemExit(f"shardwise train: {e}") from None
+    if not under_launcher:
         return launch_torchrun(args.nproc, argv)
     rank = os.environ.get("RANK", "0")
     level = logging.INFO if args.verbose else logging.WARNING

@@ -62,7 +62,9 @@ from shardwise.fully_shard import fully_shard
 from shardwise.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from shardwise.replicate import ReplicateModule, replicate
 
-__all__ = ["install_as_torch_fsdp", "uninstall_as_torch_fsdp", "installed", "plan", "HOMES", "SHARDWISE_OBJECTS"]
+__all__ = [
+    "install_as_torch_fsdp", "uninstall_as_torch_fsdp", "installed", "plan", "torch_objects", "HOMES", "SHARDWISE_OBJECTS",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -154,6 +156,18 @@ def plan() -> tuple[Binding, ...]:
                 )
             bindings.append(Binding(home, name, current, ours))
     return tuple(bindings)
+
+
+def torch_objects() -> dict[str, object]:
+    """torch's own FSDP2 objects by name (``fully_shard``, ``MixedPrecisionPolicy``, ...), switch on or off.
+
+    For code that runs both implementations side by side (``shardwise train --impl torch``,
+    the benchmarks): while the switch is on, ``torch.distributed.fsdp`` holds shardwise's
+    objects, so torch's are read from what the switch set aside.
+    """
+    home = importlib.import_module("torch.distributed.fsdp")
+    set_aside = {b.name: b.torch_obj for b in installed() if b.home is home}
+    return {name: set_aside.get(name, vars(home)[name]) for name in _FSDP2 if name in vars(home)}
 
 
 def install_as_torch_fsdp() -> _Switched:

@@ -1,17 +1,24 @@
-"""``shardwise train``: a small GPT trained on the Python standard library's sources with ``fully_shard``.
+"""``shardwise train``: a GPT preset or a Transformers causal LM trained on the Python standard library's
+sources with ``fully_shard`` (HSDP, tensor parallel, activation checkpointing, compile, ...), and
+``shardwise export`` to a directory Transformers loads.
 
 One module per concept:
 
 - :mod:`~shardwise.train.model` — the GPT and its size presets (nano ~43K for tests, tiny ~1M, small ~10M, medium ~50M).
 - :mod:`~shardwise.train.data` — the byte-level corpus and per-rank batch sampling.
-- :mod:`~shardwise.train.distributed` — process group, device and mesh for this rank.
+- :mod:`~shardwise.train.hf` / :mod:`~shardwise.train.models` — Transformers models; the ModelSpec every run sees.
+- :mod:`~shardwise.train.distributed` — process group, device and meshes for this rank.
+- :mod:`~shardwise.train.parallel` — tensor parallel, activation checkpointing and compile per block.
 - :mod:`~shardwise.train.sharding` — ``fully_shard`` per block then root, shardwise's or torch's.
+- :mod:`~shardwise.train.build` — meta device, parallelise, shard, materialise one tensor at a time.
+- :mod:`~shardwise.train.preflight` — checks made before any rank starts.
+- :mod:`~shardwise.train.tensorboard` — ``--tensorboard``: the step scalars as event files.
+- :mod:`~shardwise.train.export` — ``shardwise export``: a checkpoint as config + safetensors.
 - :mod:`~shardwise.train.config` — :class:`TrainConfig` (the flags) and :class:`TrainResult`.
 - :mod:`~shardwise.train.schedule` — the learning-rate schedule (constant, warm-up + cosine).
 - :mod:`~shardwise.train.metrics` — ``--metrics``: one JSON line per step, crash-safe.
 - :mod:`~shardwise.train.checkpointing` — the checkpoint flags, wired to :mod:`shardwise.checkpoint`.
 - :mod:`~shardwise.train.loop` — the step and the run every rank executes.
-- :mod:`~shardwise.train.config` — :class:`TrainConfig` and :class:`TrainResult`, shared by the loop and the summary.
 - :mod:`~shardwise.train.summary` — progress bar and summary on rank 0.
 
 Launch::

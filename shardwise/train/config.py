@@ -10,16 +10,21 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from shardwise.train.data import DEFAULT_MAX_BYTES, VOCAB_SIZE
+from shardwise.train.distributed import mesh_dims
 from shardwise.train.model import PRESETS, GPTConfig
 from shardwise.train.sharding import IMPLS, MIXED_PRECISION
 
 if TYPE_CHECKING:
     from shardwise.comm_stats import CommStats
 
-__all__ = ["TrainConfig", "TrainResult", "LR_SCHEDULES"]
+__all__ = ["TrainConfig", "TrainResult", "LR_SCHEDULES", "AC_MODES", "parse_reshard"]
 
 LR_SCHEDULES = ("constant", "cosine")
 """Values of ``--lr-schedule``."""
+
+AC_MODES = ("none", "full", "selective")
+"""Values of ``--ac``: no activation checkpointing, every block recomputed in backward, or
+every block recomputed except the outputs of its matmuls and attention (see :mod:`~shardwise.train.parallel`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +59,9 @@ class TrainConfig:
     """Steps of linear learning-rate warm-up (``cosine`` schedule only)."""
     metrics: str | None = None
     """Append one JSON line per optimizer step to this file (rank 0 writes it; see :mod:`~shardwise.train.metrics`)."""
-    reshard_after_forward: bool = True
-    """``fully_shard``'s ``reshard_after_forward`` for every block (the root keeps torch's default)."""
+    reshard_after_forward: bool | int = True
+    """``fully_shard``'s ``reshard_after_forward`` for every block (the root keeps torch's default):
+    ``True``, ``False``, or an int ``k`` (keep a copy sharded over ``k`` ranks between forward and backward)."""
     report: str | None = None
     """Write a step report (timing, overlap, memory, plots) into this directory; see :func:`shardwise.report`."""
     checkpoint_dir: str | None = None
@@ -73,8 +79,37 @@ class TrainConfig:
     auto: bool = False
     """Shard as ``shardwise.plan`` says (``auto_shard``) and report its predicted peak memory
     against the last step's measured peak live tensor bytes."""
+    # ---- models from Transformers (see train/hf.py); either replaces --model
+    hf_config: str | None = None
+    """A Transformers ``config.json`` (or a directory holding one): a causal LM built from it, randomly initialised."""
+    hf_model: str | None = None
+    """A directory of a Transformers causal LM (``config.json``, safetensors weights, tokenizer if any) to fine-tune."""
+    # ---- parallelism and memory knobs (see train/parallel.py)
+    replicate: int = 1
+    """HSDP: shard within groups of ``world / (replicate * tp)`` ranks, replicate across ``replicate`` of them."""
+    tp: int = 1
+    """Tensor-parallel degree inside each block (heads and MLP hidden units split); 1 is off."""
+    ac: str = "none"
+    """Activation checkpointing of every block: ``none``, ``full`` or ``selective``."""
+    compile: bool = False
+    """``torch.compile`` every block (before sharding, as torchtitan does)."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend for ``compile`` (``aot_eager`` compiles fast, for tests)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; ``batch_size`` is split into this many, gradients sync on the last only."""
+    clip_norm: float | None = None
+    """Clip the global gradient norm to this (``shardwise.clip_grad_norm_``); ``None`` clips nothing."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory (``CPUOffloadPolicy``)."""
+    # ---- watching the run
+    tensorboard: str | None = None
+    """Write TensorBoard scalars (loss, lr, grad norm, tokens/s, step time, peak memory, wire bytes) here."""
+    eval_every: int = 0
+    """Every this many steps, report the loss on held-out data (the corpus's last 10%); 0 is off."""
 
     def __post_init__(self) -> None:
+        self._check_model()
+        self._check_parallelism()
         if self.model not in PRESETS:
             raise ValueError(f"model must be one of {sorted(PRESETS)}, got {self.model!r}")
         if self.impl not in IMPLS:
@@ -92,6 +127,40 @@ class TrainConfig:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         self._check_checkpointing()
 
+    def _check_model(self) -> None:
+        if self.hf_config is not None and self.hf_model is not None:
+            raise ValueError("--hf-config and --hf-model are exclusive: build from a config, or load a model")
+        if self.auto and (self.is_hf or self.tp > 1 or self.replicate > 1 or self.ac != "none" or self.compile
+                          or self.cpu_offload or self.grad_accum > 1):
+            raise ValueError("--auto plans a GPT preset on a 1-D mesh only; drop --auto or the other "
+                             "model / parallelism flags")
+
+    def _check_parallelism(self) -> None:
+        for name in ("replicate", "tp", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"--grad-accum {self.grad_accum} must divide --batch-size {self.batch_size} "
+                             "(each micro-batch is batch_size / grad_accum sequences)")
+        if self.ac not in AC_MODES:
+            raise ValueError(f"ac must be one of {AC_MODES}, got {self.ac!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0, got {self.clip_norm}")
+        raf = self.reshard_after_forward
+        if not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 2):
+            raise ValueError(f"reshard_after_forward must be true, false or an int >= 2, got {raf!r}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+
+    @property
+    def is_hf(self) -> bool:
+        """Whether the model comes from Transformers (``--hf-config`` / ``--hf-model``)."""
+        return self.hf_config is not None or self.hf_model is not None
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.grad_accum
+
     def _check_checkpointing(self) -> None:
         for name in ("warmup_steps", "checkpoint_every"):
             if getattr(self, name) < 0:
@@ -107,12 +176,32 @@ class TrainConfig:
             flags = ", ".join("--" + f.replace("_", "-") for f in wants_dir)
             raise ValueError(f"{flags} need --checkpoint-dir DIR")
 
+    def check_world(self, world_size: int) -> None:
+        """What depends on the number of ranks; raises ``ValueError`` before any rank starts work."""
+        dims = mesh_dims(world_size, self.replicate, self.tp)
+        shard = dims.get("dp", dims.get("dp_shard"))
+        raf = self.reshard_after_forward
+        if not isinstance(raf, bool) and shard % raf:
+            raise ValueError(f"--reshard-after-forward {raf} must divide the {shard} ranks each parameter is "
+                             f"sharded over (mesh {dims}); use a divisor of {shard}, true or false")
+
     def model_config(self) -> GPTConfig:
         """The preset, with ``seq_len`` overridden when given, over the byte vocabulary."""
         overrides = {"vocab_size": VOCAB_SIZE}
         if self.seq_len is not None:
             overrides["seq_len"] = self.seq_len
         return GPTConfig.preset(self.model, **overrides)
+
+
+def parse_reshard(text: str) -> bool | int:
+    """``--reshard-after-forward`` from the command line: ``true``, ``false`` or an int."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return int(lowered)
+    except ValueError:
+        raise ValueError(f"--reshard-after-forward takes true, false or an int, got {text!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +221,21 @@ class TrainResult:
     resumed_from: int = 0  # the checkpoint step this invocation continued from (0: a fresh start)
     predicted_peak_bytes: int | None = None  # --auto: the plan's per-rank peak
     measured_peak_bytes: int | None = None  # --auto: the last step's peak live tensor bytes, max over ranks
+    dp_size: int = 0  # data-parallel ranks (world_size / tp); 0: same as world_size
+    flops_per_token: float = 0.0  # forward + backward model FLOPs per token (6N + attention); 0: unknown
+    peak_flops: float | None = None  # the device's peak FLOP/s per rank at the run's precision; None: unknown
+    eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)  # --eval-every: step -> held-out loss
 
     @property
     def tokens_per_s(self) -> float:
         return self.steps * self.tokens_per_step / max(self.wall_s, 1e-9)
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation over all ranks, or ``None`` when the device's peak is not known."""
+        if not self.peak_flops or not self.flops_per_token:
+            return None
+        return self.tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
 
     @property
     def wire_bytes_per_step(self) -> float | None:

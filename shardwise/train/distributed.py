@@ -3,9 +3,16 @@
 torchrun (``torch.distributed.run``) starts one process per rank and hands each the
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` environment variables; :func:`setup` turns those into a default process
-group (NCCL on GPUs, gloo on CPU) and a 1-D device mesh for ``fully_shard``::
+group (NCCL on GPUs, gloo on CPU) and the meshes of the run::
 
-    env = setup("auto")          # under torchrun, or with a process group already initialised
+    env = setup("auto")                     # under torchrun, or with a process group already initialised
+    env = setup("auto", replicate=2, tp=2)  # 8 ranks: a (2, 2, 2) mesh (dp_replicate, dp_shard, tp)
+
+The world mesh has only the dims that are used, in the order ``dp_replicate, dp_shard, tp``
+(tensor parallelism innermost, so a TP group is adjacent ranks: one host's fast links).
+``env.mesh`` is what ``fully_shard`` gets: ``dp`` (1-D FSDP) or ``(dp_replicate, dp_shard)``
+(HSDP); ``env.tp_mesh`` is the ``tp`` dim or ``None``. Ranks of one TP group train on the
+same batch, so data is sliced by ``env.dp_rank`` of ``env.dp_size``.
     ...train...
     teardown(env)
 
@@ -26,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.faults import monitor
 
-__all__ = ["DistEnv", "setup", "teardown", "is_under_launcher", "cpu_threads_per_rank"]
+__all__ = ["DistEnv", "mesh_dims", "setup", "teardown", "is_under_launcher", "cpu_threads_per_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +51,25 @@ class DistEnv:
     device: torch.device
     """Device holding this rank's shards and activations (``cuda:<local_rank>`` or ``cpu``)."""
     mesh: DeviceMesh
-    """1-D mesh over all ranks, passed to ``fully_shard(mesh=...)``."""
+    """The data-parallel mesh passed to ``fully_shard(mesh=...)``: ``dp``, or ``(dp_replicate, dp_shard)``."""
     owns_process_group: bool
     """True when :func:`setup` created the default process group (so :func:`teardown` destroys it)."""
+    tp_mesh: DeviceMesh | None = None
+    """The tensor-parallel dim of the world mesh, or ``None`` without ``--tp``."""
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp_mesh is None else self.tp_mesh.size()
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each draws its own slice of the global batch."""
+        return self.world_size // self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """Which slice of the global batch this rank trains on (the same for a whole TP group)."""
+        return self.rank // self.tp_size
 
     @property
     def is_main(self) -> bool:
@@ -107,13 +130,43 @@ def _init_default_group(backend: str, device_id: torch.device | None) -> None:
                             rank=rank, world_size=world_size, device_id=device_id)
 
 
-def setup(device: str = "auto", num_threads: int | None = None) -> DistEnv:
+def mesh_dims(world_size: int, replicate: int = 1, tp: int = 1) -> dict[str, int]:
+    """``{dim name: size}`` of the world mesh for ``replicate`` x ``tp`` over ``world_size`` ranks.
+
+    Raises:
+        ValueError: ``replicate * tp`` does not divide ``world_size``.
+    """
+    if replicate < 1 or tp < 1 or world_size % (replicate * tp):
+        raise ValueError(
+            f"--replicate {replicate} x --tp {tp} must divide the {world_size} ranks "
+            f"(the mesh is replicate x shard x tp); choose sizes whose product divides {world_size}"
+        )
+    shard = world_size // (replicate * tp)
+    if replicate == 1:
+        dims = {"dp": shard}
+    else:
+        dims = {"dp_replicate": replicate, "dp_shard": shard}
+    return {**dims, "tp": tp} if tp > 1 else dims
+
+
+def _build_meshes(device_type: str, world_size: int, replicate: int, tp: int) -> tuple[DeviceMesh, DeviceMesh | None]:
+    dims = mesh_dims(world_size, replicate, tp)
+    world = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    if len(dims) == 1:
+        return world, None
+    dp_names = tuple(n for n in dims if n != "tp")
+    return world[dp_names if len(dp_names) > 1 else dp_names[0]], world["tp"] if tp > 1 else None
+
+
+def setup(device: str = "auto", num_threads: int | None = None, replicate: int = 1, tp: int = 1) -> DistEnv:
     """Initialise (or adopt) the default process group and build this rank's :class:`DistEnv`.
 
     Args:
         device: ``"auto"`` (GPU per local rank when available, else CPU), ``"cpu"`` or ``"cuda"``.
         num_threads: CPU threads for this rank's ops; ``None`` gives each rank on this machine
             an even share of the cores, since several ranks each using every core mostly contend.
+        replicate: HSDP replicas (``--replicate``); 1 is plain FSDP.
+        tp: tensor-parallel degree (``--tp``); 1 is none.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
@@ -127,8 +180,8 @@ def setup(device: str = "auto", num_threads: int | None = None) -> DistEnv:
         if not is_under_launcher():
             raise RuntimeError("no process group: run under torchrun (or `shardwise train`, which launches it)")
         _init_default_group("nccl" if on_gpu else "gloo", dev if on_gpu else None)
-    mesh = init_device_mesh(dev.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
-    env = DistEnv(dist.get_rank(), dist.get_world_size(), dev, mesh, owns)
+    mesh, tp_mesh = _build_meshes(dev.type, dist.get_world_size(), replicate, tp)
+    env = DistEnv(dist.get_rank(), dist.get_world_size(), dev, mesh, owns, tp_mesh)
     logger.info(
         "rank %d/%d on %s (backend %s, %d threads)",
         env.rank, env.world_size, dev, dist.get_backend(), torch.get_num_threads(),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import resource
 import time
 from typing import Callable
 
@@ -33,19 +34,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.clip import clip_grad_norm_
 from shardwise.train import summary
+from shardwise.train.build import build_sharded
 from shardwise.train.checkpointing import RunCheckpoints
 from shardwise.train.config import TrainConfig, TrainResult
 from shardwise.train.data import BatchSampler, load_corpus
 from shardwise.train.distributed import DistEnv, setup, teardown
 from shardwise.train.metrics import MetricsLog
-from shardwise.train.model import GPT, count_params
+from shardwise.train.model import GPT
+from shardwise.train.models import ModelSpec, model_spec, param_count
+from shardwise.train.preflight import preflight
 from shardwise.train.schedule import build_scheduler
-from shardwise.train.sharding import shard_model
-from shardwise.train.summary import step_report
+from shardwise.train.summary import device_peak_flops, step_report
+from shardwise.train.tensorboard import TensorBoardLog
 
 __all__ = [
     "TrainConfig", "TrainResult", "build_model", "build_optimizer", "train_step", "mean_across_ranks", "train", "run",
+    "restore_model",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,14 +59,19 @@ logger = logging.getLogger(__name__)
 StepCallback = Callable[[int, float, float], None]
 """Called after each step with ``(step, loss, tokens_per_s)``; ``step`` counts from 1."""
 
+EVAL_BATCHES = 4
+"""Micro-batches of held-out windows per ``--eval-every`` evaluation (the same windows every time)."""
 
-def build_model(cfg: TrainConfig, env: DistEnv) -> GPT:
-    """The model for ``cfg``, initialised identically on every rank, moved to ``env.device`` and sharded."""
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model_config()).to(env.device)
+HELD_OUT = 0.1
+"""Share of the corpus (its end) kept out of training when ``--eval-every`` is on."""
+
+
+def build_model(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Module:
+    """The model of ``spec``, initialised identically on every rank, parallelised and sharded as ``cfg`` says."""
     if cfg.auto:
-        return auto_shard_model(model, cfg, env)
-    return shard_model(model, env.mesh, cfg.impl, cfg.mixed_precision, cfg.reshard_after_forward)
+        torch.manual_seed(cfg.seed)
+        return auto_shard_model(GPT(cfg.model_config()).to(env.device), cfg, env)
+    return build_sharded(cfg, env, spec)
 
 
 def auto_shard_model(model: GPT, cfg: TrainConfig, env: DistEnv) -> GPT:
@@ -81,14 +92,41 @@ def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """One forward, backward and optimizer step on ``(x, y)``; returns the detached fp32 loss."""
-    logits = model(x)  # (B, T, vocab), bf16 under mixed precision
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # (B*T, vocab) vs (B*T,)
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How one optimizer step runs (from ``--grad-accum``, ``--clip-norm`` and whether a grad norm is logged)."""
+
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda model, x: model(x)
+    grad_accum: int = 1  # micro-batches; the gradient reduction runs on the last only
+    clip_norm: float | None = None  # clip the global grad norm to this
+    want_norm: bool = False  # compute the global grad norm even without clipping (TensorBoard)
+
+
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, opts: StepOptions = StepOptions(),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step on ``(x, y)`` in ``opts.grad_accum`` micro-batches; the detached fp32 loss
+    (mean over the batch) and the global gradient norm before clipping (``None`` when not asked for).
+
+    Micro-batches before the last skip the gradient reduction (``set_requires_gradient_sync(False)``:
+    gradients accumulate unsharded); the last reduces the sum once. Each micro-batch's loss is
+    divided by ``grad_accum``, so the step equals one over the whole batch up to float rounding.
+    """
+    k = opts.grad_accum
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    total = torch.zeros((), device=x.device)
+    for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
+        if k > 1:
+            model.set_requires_gradient_sync(i == k - 1)
+        logits = opts.logits(model, xm)  # (b, T, vocab), bf16 under mixed precision
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), ym.flatten())  # (b*T, vocab) vs (b*T,)
+        (loss / k if k > 1 else loss).backward()
+        total += loss.detach() / k
+    norm = None
+    if opts.clip_norm is not None or opts.want_norm:
+        norm = clip_grad_norm_(model.parameters(), opts.clip_norm if opts.clip_norm is not None else math.inf)
     optimizer.step()
-    return loss.detach()
+    return total, norm
 
 
 def mean_across_ranks(value: float, device: torch.device) -> float:
@@ -112,6 +150,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _peak_memory_gb(device: torch.device) -> float:
+    """This step's peak allocated CUDA memory (then reset), or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+
+
 @dataclasses.dataclass
 class _Run:
     """What the step loop drives; built by :func:`train`."""
@@ -122,32 +169,75 @@ class _Run:
     sampler: BatchSampler
     checkpoints: RunCheckpoints
     metrics: MetricsLog
+    tensorboard: TensorBoardLog
+    step_opts: StepOptions
+    held_out: torch.Tensor | None  # --eval-every: the corpus's held-out tail
+    eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
+def _evaluate(job: _Run, cfg: TrainConfig, env: DistEnv) -> float:
+    """Mean loss over ranks on :data:`EVAL_BATCHES` fixed held-out micro-batches."""
+    sampler = BatchSampler(job.held_out, cfg.micro_batch_size, job.sampler.seq_len, cfg.seed + 1, env.dp_rank, env.dp_size)
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(EVAL_BATCHES):
+            x, y = sampler.next_batch(env.device)
+            logits = job.step_opts.logits(job.model, x)
+            total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).item()
+    return mean_across_ranks(total / EVAL_BATCHES, env.device)
+
+
+def _observe(job: _Run, cfg: TrainConfig, env: DistEnv, step: int, loss: float, fields: dict) -> None:
+    """Per-step records: --metrics, --tensorboard, and --eval-every's held-out loss."""
+    if job.metrics.path is not None or job.tensorboard.enabled:
+        mean_loss = mean_across_ranks(loss, env.device)
+        job.metrics.log(step, mean_loss, **fields)
+        job.tensorboard.log(step, {"loss": mean_loss, **fields})
+    if cfg.eval_every and (step % cfg.eval_every == 0 or step == job.checkpoints.last_step):
+        job.eval_losses[step] = _evaluate(job, cfg, env)
+        job.tensorboard.log(step, {"loss": job.eval_losses[step]}, prefix="eval/")
+        if env.is_main:
+            summary.print_eval(step, job.eval_losses[step])
+
+
+def _one_step(job: _Run, cfg: TrainConfig, env: DistEnv, step: int) -> tuple[float, float | None]:
+    x, y = job.sampler.next_batch(env.device)
+    if cfg.auto and step == job.checkpoints.last_step:  # --auto: measure the last step against the plan
+        loss, norm = _measured_step(job.model, job.optimizer, x, y, job.step_opts)
+    else:
+        loss, norm = train_step(job.model, job.optimizer, x, y, job.step_opts)
+    return loss.item(), None if norm is None else norm.item()
 
 
 def _run_steps(
     job: _Run, cfg: TrainConfig, env: DistEnv, start_step: int, on_step: StepCallback | None,
 ) -> tuple[list[float], float]:
     """Steps ``start_step + 1 ..`` to ``--stop-after`` or ``--steps``; this rank's losses and the seconds taken."""
-    tokens_per_step = cfg.batch_size * job.sampler.seq_len * env.world_size
+    tokens_per_step = cfg.batch_size * job.sampler.seq_len * env.dp_size
+    tally = _comm_tally(cfg.impl)
     losses: list[float] = []
     _sync(env.device)
     start = last = time.perf_counter()
+    sent = 0 if tally is None else tally.snapshot().total_wire_bytes
     with step_report(cfg, env) as rep:
         for step in range(start_step + 1, job.checkpoints.last_step + 1):
-            x, y = job.sampler.next_batch(env.device)
             lr = job.optimizer.param_groups[0]["lr"]
-            if cfg.auto and step == job.checkpoints.last_step:  # --auto: measure the last step against the plan
-                losses.append(_measured_step(job.model, job.optimizer, x, y).item())
-            else:
-                losses.append(train_step(job.model, job.optimizer, x, y).item())
+            loss, norm = _one_step(job, cfg, env, step)
+            losses.append(loss)
             job.scheduler.step()
             held_s = job.checkpoints.after_step(step)
             if rep is not None:
                 rep.step(losses[-1])
+            _sync(env.device)
             now = time.perf_counter()
             step_s, last = now - last, now
-            job.metrics.log(step, losses[-1], tokens_per_s=tokens_per_step / step_s, step_s=step_s, lr=lr,
-                            checkpoint_s=held_s)
+            wire_mb = None
+            if tally is not None:
+                total = tally.snapshot().total_wire_bytes
+                wire_mb, sent = (total - sent) / 1e6, total
+            fields = dict(tokens_per_s=tokens_per_step / step_s, step_s=step_s, lr=lr, checkpoint_s=held_s,
+                          grad_norm=norm, peak_memory_gb=_peak_memory_gb(env.device), wire_mb=wire_mb)
+            _observe(job, cfg, env, step, losses[-1], fields)
             if on_step is not None:
                 on_step(step, losses[-1], len(losses) * tokens_per_step / (now - start))
         job.checkpoints.close()
@@ -156,14 +246,16 @@ def _run_steps(
     return losses, wall_s
 
 
-def _measured_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _measured_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, opts: StepOptions,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`train_step` under PeakMemory; the peak goes to ``model.measured_peak_bytes``."""
     from shardwise.testing.memory import PeakMemory, tensors_of
 
     with PeakMemory(tensors_of(model, optimizer) + [x, y]) as memory:
-        loss = train_step(model, optimizer, x, y)
+        out = train_step(model, optimizer, x, y, opts)
     model.measured_peak_bytes = memory.peak_bytes
-    return loss
+    return out
 
 
 def _peaks(model: nn.Module, device: torch.device) -> tuple[int | None, int | None]:
@@ -174,6 +266,33 @@ def _peaks(model: nn.Module, device: torch.device) -> tuple[int | None, int | No
     t = torch.tensor([getattr(model, "measured_peak_bytes", 0)], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return plan.peak_bytes, int(t.item())
+
+
+def _split_corpus(tokens: torch.Tensor, cfg: TrainConfig, seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(training tokens, held-out tail or ``None``): the last :data:`HELD_OUT` with ``--eval-every``."""
+    if not cfg.eval_every:
+        return tokens, None
+    held = max(int(tokens.numel() * HELD_OUT), seq_len + 1)
+    if tokens.numel() - held < seq_len + 1:
+        raise ValueError(f"--eval-every: a corpus of {tokens.numel()} tokens is too small to hold out "
+                         f"{held} and still train on windows of {seq_len + 1}; raise --data-bytes")
+    return tokens[:-held], tokens[-held:]
+
+
+def _setup_run(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[_Run, int]:
+    """The model, optimizer, data and observers of a run, resumed when asked; and the step to start after."""
+    train_tokens, held_out = _split_corpus(spec.tokens(load_corpus(cfg.data, cfg.data_bytes)), cfg, spec.seq_len)
+    model = build_model(cfg, env, spec)
+    optimizer = build_optimizer(model, cfg.lr)
+    scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
+    sampler = BatchSampler(train_tokens, cfg.batch_size, spec.seq_len, cfg.seed, env.dp_rank, env.dp_size)
+    checkpoints = RunCheckpoints(cfg, env, model, optimizer, scheduler, sampler, spec)
+    start_step = checkpoints.resume(cfg.resume)
+    tensorboard = TensorBoardLog(cfg.tensorboard, env.is_main)
+    opts = StepOptions(spec.logits, cfg.grad_accum, cfg.clip_norm, want_norm=tensorboard.enabled)
+    job = _Run(model, optimizer, scheduler, sampler, checkpoints, MetricsLog(cfg.metrics, env.is_main),
+               tensorboard, opts, held_out)
+    return job, start_step
 
 
 def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -> TrainResult:
@@ -188,30 +307,25 @@ def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -
         on_step: optional per-step callback ``(step, loss, tokens_per_s)`` (rank 0 draws its bar with it).
     """
     t0 = time.perf_counter()
-    tokens = load_corpus(cfg.data, cfg.data_bytes)
-    model = build_model(cfg, env)
-    optimizer = build_optimizer(model, cfg.lr)
-    scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
-    sampler = BatchSampler(tokens, cfg.batch_size, model.cfg.seq_len, cfg.seed, env.rank, env.world_size)
-    checkpoints = RunCheckpoints(cfg, env, model, optimizer, scheduler, sampler)
-    start_step = checkpoints.resume(cfg.resume)
-    metrics = MetricsLog(cfg.metrics, env.device, env.is_main)
+    spec = preflight(cfg, env.world_size)
+    job, start_step = _setup_run(cfg, env, spec)
     tally = _comm_tally(cfg.impl)
     if tally is not None:
         tally.reset()
     setup_s = time.perf_counter() - t0
     try:
-        losses, wall_s = _run_steps(_Run(model, optimizer, scheduler, sampler, checkpoints, metrics),
-                                    cfg, env, start_step, on_step)
+        losses, wall_s = _run_steps(job, cfg, env, start_step, on_step)
     finally:
-        metrics.close()
+        job.metrics.close()
+        job.tensorboard.close()
     comm = tally.snapshot() if tally is not None else None
-    predicted, measured = _peaks(model, env.device)
+    predicted, measured = _peaks(job.model, env.device)
+    n_params = param_count(spec)
     return TrainResult(
         steps=len(losses),
         world_size=env.world_size,
-        n_params=count_params(model.cfg),
-        tokens_per_step=cfg.batch_size * sampler.seq_len * env.world_size,
+        n_params=n_params,
+        tokens_per_step=cfg.batch_size * spec.seq_len * env.dp_size,
         losses=losses,
         first_loss=mean_across_ranks(losses[0] if losses else math.nan, env.device),
         final_loss=mean_across_ranks(losses[-1] if losses else math.nan, env.device),
@@ -221,6 +335,10 @@ def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -
         resumed_from=start_step,
         predicted_peak_bytes=predicted,
         measured_peak_bytes=measured,
+        dp_size=env.dp_size,
+        flops_per_token=spec.flops_per_token(n_params),
+        peak_flops=device_peak_flops(env.device, cfg.mixed_precision),
+        eval_losses=job.eval_losses,
     )
 
 
@@ -228,7 +346,8 @@ def _train_and_report(cfg: TrainConfig, env: DistEnv) -> TrainResult:
     """:func:`train`, with rank 0 printing the header, the progress bar and the summary."""
     if not env.is_main:
         return train(cfg, env)
-    summary.print_header(cfg, env.world_size, str(env.device), count_params(cfg.model_config()))
+    spec = model_spec(cfg)
+    summary.print_header(cfg, spec.describe(param_count(spec)), spec.seq_len, env, str(env.device))
     bar = summary.ProgressBar(cfg.steps)
     result = train(cfg, env, on_step=bar.update)
     bar.close()
@@ -238,7 +357,7 @@ def _train_and_report(cfg: TrainConfig, env: DistEnv) -> TrainResult:
 
 def run(cfg: TrainConfig) -> TrainResult:
     """The whole run on this rank: set up the process group, train, report on rank 0, tear down."""
-    env = setup(cfg.device)
+    env = setup(cfg.device, replicate=cfg.replicate, tp=cfg.tp)
     try:
         result = _train_and_report(cfg, env)
     except BaseException:
@@ -246,3 +365,12 @@ def run(cfg: TrainConfig) -> TrainResult:
         raise
     teardown(env)
     return result
+
+
+def restore_model(cfg: TrainConfig, env: DistEnv) -> nn.Module:
+    """The sharded model of ``cfg`` holding the newest checkpoint in ``cfg.checkpoint_dir`` (for evaluation)."""
+    if cfg.checkpoint_dir is None:
+        raise ValueError("restore_model needs cfg.checkpoint_dir")
+    spec = preflight(cfg, env.world_size)
+    job, _ = _setup_run(dataclasses.replace(cfg, resume=True, tensorboard=None, metrics=None), env, spec)
+    return job.model

@@ -5,7 +5,7 @@ partial last line (the process killed mid-write) is simply skipped by readers::
 
     {"step": 12, "loss": 4.8213, "tokens_per_s": 18342.5, "step_s": 0.0558, "lr": 0.001, "checkpoint_s": 0.0}
 
-``loss`` is the mean over ranks (one scalar all-reduce per step, only when metrics are on);
+``loss`` is the mean over ranks (the loop's one scalar all-reduce per step, only when metrics or TensorBoard are on);
 ``tokens_per_s`` counts every rank's tokens over this step's wall time, ``step_s``, which
 includes ``checkpoint_s``, the time the step was held by a checkpoint save. Rank 0 writes.
 
@@ -23,9 +23,6 @@ import os
 from pathlib import Path
 from typing import TextIO
 
-import torch
-import torch.distributed as dist
-
 __all__ = ["MetricsLog", "read_metrics"]
 
 logger = logging.getLogger(__name__)
@@ -34,13 +31,11 @@ logger = logging.getLogger(__name__)
 class MetricsLog:
     """Appends step records to a JSON-lines file on rank 0; every rank calls :meth:`log`."""
 
-    path: Path | None  # None: metrics are off and log() does nothing (no collective either)
-    device: torch.device  # where the loss all-reduce runs
+    path: Path | None  # None: metrics are off and log() does nothing
     _file: TextIO | None  # open on rank 0 only
 
-    def __init__(self, path: str | os.PathLike | None, device: torch.device, is_main: bool) -> None:
+    def __init__(self, path: str | os.PathLike | None, is_main: bool) -> None:
         self.path = None if path is None else Path(path)
-        self.device = device
         self._file = None
         if self.path is not None and is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,15 +44,11 @@ class MetricsLog:
     def __repr__(self) -> str:
         return f"MetricsLog({None if self.path is None else str(self.path)!r})"
 
-    def log(self, step: int, loss: float, **fields: float) -> None:
-        """Write ``step``, the mean over ranks of ``loss``, and ``fields``; a collective when on."""
-        if self.path is None:
-            return
-        t = torch.tensor([loss], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    def log(self, step: int, mean_loss: float, **fields: float | None) -> None:
+        """Write ``step``, ``mean_loss`` (already averaged over ranks) and ``fields``; rank 0 only writes."""
         if self._file is None:
             return
-        record = {"step": step, "loss": t.item() / dist.get_world_size(), **fields}
+        record = {"step": step, "loss": mean_loss, **fields}
         self._file.write(json.dumps({k: _finite(v) for k, v in record.items()}) + "\n")
         self._file.flush()
 

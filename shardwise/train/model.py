@@ -85,25 +85,28 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: one fused QKV projection, SDPA, an output projection."""
+    """Multi-head causal self-attention: one fused QKV projection, SDPA, an output projection.
+
+    The fused weight's rows are grouped by head (``[q; k; v]`` of head 0, then of head 1, ...),
+    so a column-wise tensor-parallel split of ``qkv`` hands each rank whole heads, and the
+    forward reads the number of heads it holds from the projection's width.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)  # weight: (3*dim, dim), rows are [q; k; v]
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)  # weight: (3*dim, dim), rows are [q; k; v] per head
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape  # batch, time, channels (= dim)
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hd)
-        v = v.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, nh, T, hd)
+        B, T, _ = x.shape  # batch, time, channels (= dim)
+        qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hd); nh = n_heads / tp under TP
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # 3 x (B, nh, T, hd)
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd): heads side by side again
         return self.resid_dropout(self.proj(y))
 
 

@@ -18,6 +18,7 @@ import math
 import sys
 from typing import TYPE_CHECKING, Iterator, TextIO
 
+import torch
 from shardwise.step_report import Report, report
 from shardwise.step_report.text import format_summary
 from shardwise.train.config import TrainConfig, TrainResult
@@ -26,7 +27,10 @@ from shardwise.train.distributed import DistEnv
 if TYPE_CHECKING:
     from shardwise.comm_stats import CommStats
 
-__all__ = ["ProgressBar", "format_bytes", "print_header", "summary_lines", "final_line", "print_summary", "step_report"]
+__all__ = [
+    "ProgressBar", "format_bytes", "print_header", "summary_lines", "final_line", "print_summary", "step_report",
+    "PEAK_FLOPS", "device_peak_flops", "print_eval",
+]
 
 
 def format_bytes(n: float) -> str:
@@ -75,15 +79,30 @@ class ProgressBar:
             self.stream.flush()
 
 
-def print_header(cfg: TrainConfig, world_size: int, device: str, n_params: int) -> None:
-    """One line saying what is about to run."""
-    m = cfg.model_config()
+def _mesh_text(cfg: TrainConfig, env: DistEnv) -> str:
+    if env.tp_mesh is None and cfg.replicate == 1:
+        return f"{env.world_size} ranks"
+    names = env.mesh.mesh_dim_names + (("tp",) if env.tp_mesh is not None else ())
+    shape = tuple(env.mesh.shape) + ((env.tp_size,) if env.tp_mesh is not None else ())
+    return f"{env.world_size} ranks as {dict(zip(names, shape))}"
+
+
+def print_header(cfg: TrainConfig, model: str, seq_len: int, env: DistEnv, device: str) -> None:
+    """One line saying what is about to run (``model`` describes it: name, size, layers)."""
+    extras = [f"{flag} {value}" for flag, value, off in (
+        ("ac", cfg.ac, "none"), ("grad-accum", cfg.grad_accum, 1), ("clip-norm", cfg.clip_norm, None),
+        ("compile", cfg.compile, False), ("cpu-offload", cfg.cpu_offload, False)) if value != off]
     print(
-        f"shardwise train: {cfg.model} GPT ({n_params / 1e6:.2f}M params, {m.n_layers} layers, dim {m.dim}) | "
-        f"{world_size} ranks on {device} | impl {cfg.impl} | mixed precision {cfg.mixed_precision} | "
-        f"{cfg.steps} steps x {cfg.batch_size} x {m.seq_len} tokens per rank",
+        f"shardwise train: {model} | {_mesh_text(cfg, env)} on {device} | impl {cfg.impl} | "
+        f"mixed precision {cfg.mixed_precision}{''.join(' | ' + e for e in extras)} | "
+        f"{cfg.steps} steps x {cfg.batch_size} x {seq_len} tokens per data-parallel rank",
         flush=True,
     )
+
+
+def print_eval(step: int, loss: float) -> None:
+    """``--eval-every``: one line with the held-out loss at ``step``."""
+    print(f"step {step}: held-out loss {loss:.4f}", flush=True)
 
 
 def _comm_lines(comm: "CommStats | None", steps: int) -> list[str]:
@@ -117,13 +136,47 @@ def final_line(result: TrainResult) -> str:
     return f"final loss {loss} | {result.tokens_per_s:,.0f} tokens/s | {comm}"
 
 
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    # dense peak FLOP/s per GPU (NVIDIA data sheets, SXM): bf16 tensor cores, and fp32 without TF32
+    "H200": {"bf16": 989e12, "none": 67e12},
+    "H100": {"bf16": 989e12, "none": 67e12},
+    "A100": {"bf16": 312e12, "none": 19.5e12},
+}
+"""Devices whose peak is known, by a substring of ``torch.cuda.get_device_name``; for MFU."""
+
+
+def device_peak_flops(device: torch.device, mixed_precision: str) -> float | None:
+    """The peak FLOP/s of one ``device`` at the run's precision, or ``None`` when unknown (CPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_FLOPS.items():
+        if key in name:
+            return peaks.get(mixed_precision)
+    return None
+
+
+def _throughput_line(result: TrainResult) -> str:
+    mfu = result.mfu
+    mfu_text = "MFU n/a (device peak unknown)" if mfu is None else f"MFU {100 * mfu:.1f}%"
+    return f"throughput    {result.tokens_per_s:,.0f} tokens/s (all ranks) | {mfu_text}"
+
+
+def _eval_lines(result: TrainResult) -> list[str]:
+    if not result.eval_losses:
+        return []
+    points = ", ".join(f"{loss:.4f} @ {step}" for step, loss in sorted(result.eval_losses.items()))
+    return [f"held-out loss {points}"]
+
+
 def summary_lines(result: TrainResult) -> list[str]:
     """The summary block, ending with :func:`final_line`."""
     return [
         f"steps         {result.steps} on {result.world_size} ranks ({result.tokens_per_step:,} tokens/step)",
         f"wall time     {result.wall_s:.1f} s training (+{result.setup_s:.1f} s setup)",
-        f"throughput    {result.tokens_per_s:,.0f} tokens/s (all ranks)",
+        _throughput_line(result),
         f"loss          {result.first_loss:.4f} -> {result.final_loss:.4f} (mean over ranks)",
+        *_eval_lines(result),
         *_comm_lines(result.comm, result.steps),
         *_peak_lines(result),
         final_line(result),
@@ -142,9 +195,9 @@ def step_report(cfg: TrainConfig, env: DistEnv) -> Iterator[Report | None]:
     if cfg.report is None:
         yield None
         return
-    m = cfg.model_config()
-    meta = {"model": f"{cfg.model} GPT ({m.n_layers} blocks, dim {m.dim})", "reshard_after_forward": cfg.reshard_after_forward,
-            "mixed_precision": cfg.mixed_precision, "batch": f"{cfg.batch_size} x {m.seq_len} tokens/rank"}  # fmt: skip
+    model = cfg.hf_model or cfg.hf_config or f"{cfg.model} GPT"
+    meta = {"model": model, "reshard_after_forward": cfg.reshard_after_forward, "mesh": _mesh_text(cfg, env),
+            "mixed_precision": cfg.mixed_precision, "ac": cfg.ac, "batch": f"{cfg.batch_size} sequences/rank"}
     with report(cfg.report, meta=meta, device=env.device) as r:
         yield r
     if r.summary is not None:

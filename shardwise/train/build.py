@@ -1,0 +1,117 @@
+"""Build the run's model without ever holding it whole: meta device, parallelise, shard, then materialise.
+
+::
+
+    with torch.device("meta"):
+        model = spec.build()                       # shapes only: no memory
+    apply_tp / apply_ac / apply_compile (blocks)   # see train/parallel.py
+    shard_model(model, blocks, mesh, options)      # fully_shard per block, then the root
+    materialize(model, spec, device, seed)         # each rank allocates its shards only
+
+:func:`materialize` gives each parameter its values one at a time: a full-size temporary
+tensor is initialised by the model's own rule (or read from safetensors), each rank copies
+its shard out of it, and the temporary is dropped. A rank's set-up peak is therefore its
+shards plus the largest single parameter, not the model. Every rank draws the same random
+numbers in the same order (parameter by parameter, in module order, from ``seed``), so the
+model equals the one an unsharded run initialises, whatever the mesh or ``--impl``: TP and
+FSDP parity runs start from identical weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from shardwise.train.config import TrainConfig
+from shardwise.train.distributed import DistEnv
+from shardwise.train.models import ModelSpec
+from shardwise.train.parallel import apply_ac, apply_compile, apply_tp, plain_name
+from shardwise.train.sharding import ShardOptions, shard_model
+
+__all__ = ["build_sharded", "sharded_on_meta", "materialize"]
+
+logger = logging.getLogger(__name__)
+
+Weights = Callable[[str], torch.Tensor]
+"""Full tensor by (plain) parameter name, e.g. :class:`~shardwise.train.hf.SafetensorsWeights`."""
+
+
+def build_sharded(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Module:
+    """The model of ``spec``, parallelised and sharded as ``cfg`` says, with its values on ``env.device``."""
+    model = sharded_on_meta(cfg, env, spec)
+    materialize(model, spec, env.device, cfg.seed, spec.weights())
+    return model
+
+
+def sharded_on_meta(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Module:
+    """The model of ``spec``, parallelised and sharded, still on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = spec.build()
+    blocks = spec.blocks(model)
+    if env.tp_mesh is not None:
+        spec.check_tp(env.tp_size)
+        apply_tp(blocks, env.tp_mesh, spec.tp_plan())
+    apply_ac(blocks, cfg.ac)
+    if cfg.compile:
+        apply_compile(blocks, cfg.compile_backend)
+    opts = ShardOptions(cfg.impl, cfg.mixed_precision, cfg.reshard_after_forward, cfg.cpu_offload)
+    return shard_model(model, list(blocks), env.mesh, opts)
+
+
+def _copy_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write this rank's part of ``full`` into ``param`` (a sharded DTensor or a plain tensor)."""
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds ``full`` already, so each slices its own part (no collective)
+        part = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(part.to_local())
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, spec: ModelSpec, device: torch.device, seed: int, weights: Weights | None = None) -> None:
+    """Give every parameter of the (sharded, meta) ``model`` its values, one full tensor at a time.
+
+    Args:
+        model: after ``fully_shard``: its parameters are DTensors (or plain) on the meta device.
+        spec: initialises one module (``spec.init_module``) on full-size temporary parameters.
+        device: where the shards go.
+        seed: the random stream of the initialisation, the same on every rank.
+        weights: values by plain parameter name instead of the initialisation (``--hf-model``).
+    """
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    seen: set[int] = set()  # tied parameters are set once, through their first name
+    for name, module in model.named_modules():
+        name = plain_name(name)
+        params = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in seen}
+        if not params:
+            if any(b is not None for b in module._buffers.values()):
+                spec.init_module(model, name, module)  # buffers (rotary frequencies) are never sharded
+            continue
+        seen.update(id(p) for p in params.values())
+        if weights is not None:
+            for n, p in params.items():
+                _copy_shard(p, _loaded(weights, f"{name}.{n}" if name else n, p).to(device=device, dtype=p.dtype))
+            continue
+        temps = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in params.items()}
+        module._parameters.update(temps)
+        try:
+            spec.init_module(model, name, module)
+        finally:
+            module._parameters.update(params)
+        for n, p in params.items():
+            _copy_shard(p, temps[n])
+        del temps  # before the next module's are made: one module's full tensors at a time
+
+
+def _loaded(weights: Weights, name: str, param: torch.Tensor) -> torch.Tensor:
+    tensor = weights(name)
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} in the model directory, "
+                         f"{tuple(param.shape)} in the model its config builds")
+    return tensor
