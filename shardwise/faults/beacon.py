@@ -8,6 +8,15 @@ per wait, no store traffic on the hot path). The thread keeps beating while the 
 thread computes (a healthy slow rank stays fresh) and stops when the process stops or
 dies (SIGSTOP, a crash, a lost link): its status goes stale, and that is how a peer
 knows. One beacon per rank (ranks can be threads of one process), on the current store.
+
+A c10d store object is used by one thread only. torch's ``TCPStore`` serialises the
+requests of one client with a lock, but counts them in a map it updates *before* taking
+that lock (``clientCounters_[op]`` in every call, torch 2.13): two threads calling one
+client at once race on that map, and an insertion racing a lookup corrupts the heap
+(a ``double free or corruption`` abort seen once in a full test run, while the main thread
+waited on a collective and a beacon published). So a background thread talks to the store
+through a connection of its own, :func:`own_client` (``store.clone()``: the same server and
+keys, another client), and the training thread keeps the store torch gave it.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import torch.distributed as dist
 
 from shardwise.faults.records import Position, RankStatus
 
-__all__ = ["Beacon", "beacon_for", "repeat_while_alive", "status_key", "stop_all"]
+__all__ = ["Beacon", "beacon_for", "own_client", "repeat_while_alive", "status_key", "stop_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +42,23 @@ _PREFIX = "shardwise/faults/status"
 
 def status_key(rank: int) -> str:
     return f"{_PREFIX}/{rank}"
+
+
+_THREAD_CLIENT = threading.local()  # .entry = (the store asked for, this thread's clone of it)
+
+
+def own_client(store: dist.Store) -> dist.Store:
+    """This thread's own client of ``store``'s server (made on first use, one per thread:
+    a thread that moves to another store drops the previous clone). A store that cannot be
+    cloned is returned as it is."""
+    entry = getattr(_THREAD_CLIENT, "entry", None)
+    if entry is None or entry[0] is not store:
+        try:
+            clone = store.clone()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            clone = store
+        entry = _THREAD_CLIENT.entry = (store, clone)
+    return entry[1]
 
 
 class Beacon:
@@ -66,20 +92,23 @@ class Beacon:
     def status(self) -> RankStatus:
         return RankStatus(self.rank, time.time(), self.waiting, self.waiting_since, self.checking)
 
-    def publish(self) -> None:
-        self.store.set(status_key(self.rank), pickle.dumps(self.status()))
+    def publish(self, store: dist.Store | None = None) -> None:
+        """Write the status, through ``store`` when the caller is not the training thread."""
+        (store or self.store).set(status_key(self.rank), pickle.dumps(self.status()))
 
     def follow(self, follower) -> None:
         """Call ``follower.on_beat(store, interval)`` on every heartbeat while it lives (held weakly)."""
         self._followers.add(follower)
 
     def beat(self) -> None:
-        """One heartbeat: publish the status, then run the followers' work (a failing
-        follower is logged and skipped: the status must keep flowing)."""
-        self.publish()
+        """One heartbeat (on the beacon's thread, through its own client): publish the status,
+        then run the followers' work (a failing follower is logged and skipped: the status
+        must keep flowing)."""
+        store = own_client(self.store)
+        self.publish(store)
         for follower in list(self._followers):
             try:
-                follower.on_beat(self.store, self.interval)
+                follower.on_beat(store, self.interval)
             except Exception as err:
                 logger.debug("shardwise beacon follower %r failed: %s", follower, err)
 
@@ -91,11 +120,13 @@ class Beacon:
         self.waiting = self.waiting_since = None
         self.checking = False
 
-    def read(self, ranks: list[int]) -> dict[int, RankStatus | None]:
-        """The last status each of ``ranks`` published (None: never reported)."""
+    def read(self, ranks: list[int], store: dist.Store | None = None) -> dict[int, RankStatus | None]:
+        """The last status each of ``ranks`` published (None: never reported); through
+        ``store`` when the caller is not the training thread."""
+        store = store or self.store
         keys = [status_key(r) for r in ranks]
-        present = [r for r, k in zip(ranks, keys) if self.store.check([k])]
-        values = self.store.multi_get([status_key(r) for r in present]) if present else []
+        present = [r for r, k in zip(ranks, keys) if store.check([k])]
+        values = store.multi_get([status_key(r) for r in present]) if present else []
         found = {r: pickle.loads(v) for r, v in zip(present, values)}
         return {r: found.get(r) for r in ranks}
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from shardwise.collectives import work_is_completed
-from shardwise.faults.beacon import Beacon, repeat_while_alive
+from shardwise.faults.beacon import Beacon, own_client, repeat_while_alive
 from shardwise.faults.errors import CollectiveTimeoutError
 from shardwise.faults.ledger import Ledger
 from shardwise.faults.records import Position
@@ -118,8 +118,9 @@ class Poller:
         self._published = beacon
 
     def _judge(self, entry: _InFlight, waited: float) -> None:
-        entry.beacon.publish()
-        hang, report = peer_report(entry.ledger, entry.position, stale_after=entry.deadline)
+        store = own_client(entry.beacon.store)  # this thread's client: never the training thread's
+        entry.beacon.publish(store)
+        hang, report = peer_report(entry.ledger, entry.position, stale_after=entry.deadline, store=store)
         if not hang or work_is_completed(entry.work):
             return
         self.error = timeout_error(entry.ledger, entry.position, waited, report)

@@ -173,11 +173,14 @@ def timeout_error(ledger: Ledger, position: Position, waited: float, report: str
     )
 
 
-def peer_report(ledger: Ledger, position: Position, stale_after: float | None) -> tuple[bool, str]:
+def peer_report(
+    ledger: Ledger, position: Position, stale_after: float | None, store=None
+) -> tuple[bool, str]:
     """(whether the statuses show a hang, one sentence per peer). ``stale_after`` None:
-    report only (after a failure), no verdict."""
+    report only (after a failure), no verdict. ``store``: the calling thread's own client
+    when it is not the training thread (see :func:`~shardwise.faults.beacon.own_client`)."""
     try:
-        statuses = ledger.beacon.read(ledger.peers())
+        statuses = ledger.beacon.read(ledger.peers(), store)
     except Exception as err:  # the store's host is gone too
         return stale_after is not None, f"The store is unreachable ({err}): the job's host rank is gone."
     now = time.time()
