@@ -16,7 +16,9 @@ step (a barrier before each), the order rotating and flipping from step to step 
 shared machine's drifting load hits all alike. A round is ``steps`` such indices; each
 contender's round median is the max over ranks of the ranks' medians (:mod:`bench.stats`).
 Printed per world size and K: the median step (range over rounds), the **per-unit
-overhead** ``(step - plain step) / K`` in µs, and its ratio to torch FSDP2's and DDP's.
+overhead** ``(step - plain step) / K`` in µs, the same from the training thread's CPU time
+(robust to a loaded machine), and shardwise's per-unit overhead over its torch peer's and
+over DDP's, by wall clock | by CPU time.
 
 It runs twice: with shardwise's defaults (fault monitor on: order check of the first 2
 steps, watchdog) and with the fault monitor off (``SHARDWISE_ORDER_CHECK=off``,
@@ -136,21 +138,23 @@ def measure_k(k: int, spec: OverheadSpec, mesh: DeviceMesh) -> dict:
     total = spec.warmup + spec.steps * spec.rounds
     batches = [(torch.randn(BATCH, WIDTH, generator=gen).to(device), torch.randn(BATCH, WIDTH, generator=gen).to(device)) for _ in range(total)]  # fmt: skip
     times = {name: [[] for _ in range(spec.rounds)] for name in CONTENDERS}
+    cpu = {name: [[] for _ in range(spec.rounds)] for name in CONTENDERS}
     losses = {name: [] for name in CONTENDERS}
     for i, batch in enumerate(batches):
         for j in _order(i):
             name, model, optimizer = arms[j]
             dist.barrier()
-            start = time.perf_counter()
+            cpu0, start = time.thread_time(), time.perf_counter()
             loss = _step(model, optimizer, batch)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu_s = time.perf_counter() - start, time.thread_time() - cpu0
             losses[name].append(loss.item())
             if i >= spec.warmup:
                 times[name][(i - spec.warmup) // spec.steps].append(elapsed)
+                cpu[name][(i - spec.warmup) // spec.steps].append(cpu_s)
     calls = _profiled_calls(arms, batches[-1]) if spec.profile else None
-    return {"times": times, "losses": losses, "calls": calls}
+    return {"times": times, "cpu": cpu, "losses": losses, "calls": calls}
 
 
 def _profiled_calls(arms: list, batch) -> dict | None:
@@ -196,18 +200,26 @@ def rank_main(rank: int, spec: OverheadSpec, queue) -> None:
 
 def summarise(k: int, world_size: int, faults: str, per_rank: list[dict]) -> dict:
     """One table's numbers: per contender the round medians (worst rank) and per-unit overheads."""
-    rows = {}
+    rounds = range(len(per_rank[0]["times"]["plain"]))
+    rows = {
+        name: {key: [worst_rank([r[src][name][i] for r in per_rank]).median for i in rounds] for key, src in _MEASURES}
+        for name in CONTENDERS
+    }  # fmt: skip
     for name in CONTENDERS:
-        medians = [worst_rank([r["times"][name][i] for r in per_rank]).median for i in range(len(per_rank[0]["times"][name]))]  # fmt: skip
-        rows[name] = {"step_s": medians}
-    for name in CONTENDERS:
-        rows[name]["unit_us"] = [(s - p) / k * 1e6 for s, p in zip(rows[name]["step_s"], rows["plain"]["step_s"])]
+        for key, unit in (("step_s", "unit_us"), ("cpu_s", "cpu_unit_us")):
+            rows[name][unit] = [(s - p) / k * 1e6 for s, p in zip(rows[name][key], rows["plain"][key])]
     plain = per_rank[0]["losses"]["plain"]
     loss_diff = {n: max(abs(a - b) for a, b in zip(per_rank[0]["losses"][n], plain)) for n in CONTENDERS}
     return {
         "k": k, "world_size": world_size, "faults": faults, "rows": rows, "max_loss_diff_vs_plain": loss_diff,
         "calls": per_rank[0]["calls"],
     }  # fmt: skip
+
+
+_MEASURES = (("step_s", "times"), ("cpu_s", "cpu"))
+"""Per round and contender: the wall-clock step, and the training thread's CPU time in it
+(load-robust: time spent waiting for a core on a shared machine is not counted; at world
+size 1 nothing else runs, so on a quiet machine it equals the wall-clock step)."""
 
 
 def launch(spec: OverheadSpec, on_result) -> None:
@@ -236,6 +248,15 @@ def _range(values: list[float], fmt: str) -> str:
 _PEERS = {"shardwise.fully_shard": "torch.fully_shard", "shardwise.replicate": "torch.replicate"}
 
 
+def _ratios(rows: dict, name: str, peer: str) -> str:
+    """``name``'s per-unit overhead over ``peer``'s, wall-clock | thread CPU (medians over rounds)."""
+    cells = []
+    for key in ("unit_us", "cpu_unit_us"):
+        theirs = _mid(rows[peer][key])
+        cells.append(f"{_mid(rows[name][key]) / theirs:.2f}" if theirs > 0 else "-")
+    return "|".join(cells)
+
+
 def format_tables(summaries: list[dict]) -> str:
     """A table per (faults, world size, K): step ms and µs per unit (ranges over rounds),
     shardwise's per-unit overhead over its torch peer's and over DDP's (medians over rounds)."""
@@ -243,18 +264,20 @@ def format_tables(summaries: list[dict]) -> str:
     for s in summaries:
         rows = s["rows"]
         out.append(f"\nfaults={s['faults']} world_size={s['world_size']} K={s['k']}")
-        out.append(f"{'contender':<22} {'step ms':>15} {'µs/unit':>15} {'/torch peer':>11} {'/DDP':>7} {'calls':>7} {'own':>6} {'loss diff':>9}")  # fmt: skip
-        ddp = _mid(rows["torch.DDP"]["unit_us"])
+        out.append(
+            f"{'contender':<22} {'step ms':>13} {'µs/unit':>11} {'cpu µs/unit':>11} {'/peer w|c':>11} {'/DDP w|c':>11} "
+            f"{'calls':>7} {'own':>6} {'loss diff':>9}"
+        )  # fmt: skip
         for name in CONTENDERS:
             r = rows[name]
-            unit = _mid(r["unit_us"])
             peer = _PEERS.get(name)
-            vs_peer = f"{unit / _mid(rows[peer]['unit_us']):.2f}" if peer else ""
-            vs_ddp = f"{unit / ddp:.1f}" if name.startswith("shardwise") and ddp > 0 else ""
             calls = (s["calls"] or {}).get(name, {})
             out.append(
-                f"{name:<22} {_range([t * 1e3 for t in r['step_s']], '.2f'):>15} "
-                f"{'' if name == 'plain' else _range(r['unit_us'], '.0f'):>15} {vs_peer:>11} {vs_ddp:>7} "
+                f"{name:<22} {_range([t * 1e3 for t in r['step_s']], '.2f'):>13} "
+                f"{'' if name == 'plain' else _range(r['unit_us'], '.0f'):>11} "
+                f"{'' if name == 'plain' else _range(r['cpu_unit_us'], '.0f'):>11} "
+                f"{_ratios(rows, name, peer) if peer else '':>11} "
+                f"{_ratios(rows, name, 'torch.DDP') if name.startswith('shardwise') else '':>11} "
                 f"{calls.get('calls', ''):>7} {calls.get('own_calls', ''):>6} {s['max_loss_diff_vs_plain'][name]:>9.1e}"
             )
     return "\n".join(out)

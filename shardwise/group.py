@@ -69,6 +69,7 @@ class ParamGroup:
     post_forward: PostForwardGroup | None  # set for reshard_after_forward=int
     _layout: FlatLayout  # where each param's padded shard lies in a rank's (P,) all-gather row
     _params_replaced: bool  # module._apply / load_state_dict(assign=True) replaced params: adopt lazily
+    _on_meta: list[ShardedParam]  # params whose shard is on meta (changes only where shards are made)
     _unsharded_flat: torch.Tensor | None  # (N*P,) in param dtype; storage empty while sharded
     _aliased: bool  # shard size 1, nothing to cast or move: segments are the padded shards
     _segments: list[torch.Tensor]  # per param (N*width,) views into _unsharded_flat, in gather units
@@ -111,13 +112,14 @@ class ParamGroup:
         self._lay_out([o.dtype for o in originals])
         for p, original in zip(params, originals):
             p.init_sharded_param(p.local_chunk(original), self._storage_device(), self.pin_memory)
+        self._on_meta = [p for p in self.params if p.padded_shard.is_meta]
         self.reducer = GradReducer(self)
 
     def __repr__(self) -> str:
         return f"ParamGroup({self.fqn!r}, {len(self.params)} params, {self.sharded_state.value})"
 
     def _emit(self, kind: str) -> None:
-        tracing.emit(kind, self.fqn, self.training_state.value)
+        tracing.emit(kind, self.fqn, self.training_state)
 
     # ---- the sharded params -----------------------------------------------------------
 
@@ -175,6 +177,7 @@ class ParamGroup:
         for p, param in zip(self.params, held):
             p.adopt(param, self._storage_device(), self.pin_memory)
             p.unsharded_param = None
+        self._on_meta = [p for p in self.params if p.padded_shard.is_meta]
         self._lay_out([p.sharded_param.dtype for p in self.params])
         self._unsharded_flat = None
         self._aliased = False
@@ -275,8 +278,8 @@ class ParamGroup:
             return
         if self._params_replaced:  # module._apply or an assigning load replaced them
             self._adopt_registered_params()
-        if any(p.padded_shard.is_meta for p in self.params):
-            names = [p.fqn for p in self.params if p.padded_shard.is_meta]
+        if self._on_meta:
+            names = [p.fqn for p in self._on_meta]
             raise RuntimeError(
                 f"cannot unshard {self.fqn or 'the root module'}: parameters {names} are on the meta device; "
                 "call module.to_empty(device=...) and initialise them first"
@@ -298,7 +301,7 @@ class ParamGroup:
                 "all-gather", self.fqn, group, gather_input,
                 lambda: self.all_gather_comm(gathered, gather_input, group, async_op=True),
             )
-            tracing.comm_issued("all_gather", self.fqn, self.training_state.value, start, work)
+            tracing.comm_issued("all_gather", self.fqn, self.training_state, start, work)
         self._pending_gather = _PendingGather(work, gathered, n, scratch)
         if not async_op:
             self.wait_for_unshard()
@@ -351,7 +354,7 @@ class ParamGroup:
             return
         self._pending_gather = None
         if pending.work is not None:
-            tracing.wait(pending.work, "all_gather", self.fqn, self.training_state.value)
+            tracing.wait(pending.work, "all_gather", self.fqn, self.training_state)
         if not self._lands_unsharded(pending.gathered):
             self._allocate_unsharded_storage()
             n = pending.num_shards

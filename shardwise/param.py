@@ -143,9 +143,9 @@ class ShardedParam:
 
     def shard_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
         """The real (unpadded) rows of a padded segment (a reduced gradient buffer), as a view."""
-        if self.shard_dim == 0:
+        if self.shard_dim == 0 and self.local_size[0] != self.padded_rows:
             return padded_flat.view(self._padded_shape)[: self.local_size[0]]
-        return padded_flat.view(self.local_size)
+        return padded_flat.view(self.local_size)  # no padding rows: the segment is the shard
 
     def placements(self) -> tuple:
         return self._placements
@@ -247,7 +247,10 @@ class ShardedParam:
             spec = self._sharded_spec(local.dtype)
         else:
             spec = self._spec
-        return DTensor(local, spec, requires_grad=False)
+        # DTensor's own __new__ (C++) sets the local tensor and spec; DTensor.__init__ does
+        # nothing in eager mode (it only intercepts torch.export) and costs more than the
+        # construction itself behind its two wrappers: one per param and step.
+        return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
     def register_sharded(self) -> None:
         for site in self.sites:

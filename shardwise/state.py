@@ -151,12 +151,32 @@ class _PostBackwardTrigger(torch.autograd.Function):
         return (None,) + grads
 
 
+class _PreBackwardHook:
+    """The hook a forward output carries: the state's pre-backward, once per backward of
+    that forward (``register_multi_grad_hook(mode="any")``'s contract) on whichever of its
+    outputs' gradients comes first. One small object per forward call instead of
+    ``register_multi_grad_hook``'s closures, lock and handle wrapper (its cost was a
+    sixth of a launch-bound step's host time)."""
+
+    __slots__ = ("state", "ran")
+
+    def __init__(self, state: "ModuleState"):
+        self.state = state
+        self.ran: dict[int, object] = {}  # graph-task ids this hook already ran in
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        mine = object()  # dict.setdefault is atomic: only one engine thread wins a task
+        if self.ran.setdefault(torch._C._current_graph_task_id(), mine) is mine:
+            self.state._pre_backward(grad)
+
+
 class ModuleState(_State):
     """Hooks for the module(s) of one fully_shard call, delegating the work to its groups."""
 
     modules: tuple[nn.Module, ...]
     groups: tuple[ParamGroup, ...]  # one per mesh, in torch's order; () when no parameters
     reversed_groups: tuple[ParamGroup, ...]  # the same, last first (post-backward's order)
+    gathers: bool  # some group all-gathers (shard size > 1); else a prefetch has nothing to start
     mesh_info: MeshInfo
     device: torch.device
     mp_policy: MixedPrecisionPolicy
@@ -173,6 +193,7 @@ class ModuleState(_State):
         self.modules = tuple(modules)
         self.groups = tuple(groups)
         self.reversed_groups = self.groups[::-1]
+        self.gathers = any(g.mesh_info.shard_size > 1 for g in self.groups)
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
@@ -304,6 +325,15 @@ class ModuleState(_State):
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
 
     def _wrap_post_backward_trigger(self, args: tuple, kwargs: dict):
+        if not kwargs and all(isinstance(x, torch.Tensor) for x in args):  # positional tensors: no pytree
+            positions = [i for i, x in enumerate(args) if x.requires_grad]
+            if not positions or not self.groups:
+                return args, kwargs
+            outputs = _PostBackwardTrigger.apply(weakref.ref(self), *(args[i] for i in positions))
+            flat = list(args)
+            for i, out in zip(positions, outputs):
+                flat[i] = out
+            return tuple(flat), kwargs
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions or not self.groups:
@@ -329,9 +359,12 @@ class ModuleState(_State):
         if torch.is_grad_enabled():
             self._post_forward_indices.append(len(self.ctx.post_forward_order))
             self.ctx.post_forward_order.append(self)
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+                hook = _PreBackwardHook(self)
+                for t in tensors:
+                    t.register_hook(hook)
         if self.is_root:
             self._complete_partial_groups()
             self.ctx.forward_prefetcher.finish()
@@ -353,6 +386,8 @@ class ModuleState(_State):
 
     def _last_member_ran(self, module: nn.Module) -> bool:
         """Grouped calls keep the params gathered until every member ran forward once."""
+        if len(self.modules) == 1:
+            return True
         self._members_to_run.discard(id(module))
         if self._members_to_run:
             return False
@@ -390,9 +425,10 @@ class ModuleState(_State):
 
     def prefetch(self, in_backward: bool = False) -> None:
         """Start this state's all-gathers without waiting (forward/backward prefetch); in
-        backward the last group first, as torch prefetches them."""
+        backward the last group first, as torch prefetches them. A group of shard size 1
+        gathers nothing: its own pre-hook unshards it (registers its params) in time."""
         for group in self.reversed_groups if in_backward else self.groups:
-            if not in_backward or group.unshard_in_backward:
+            if group.mesh_info.shard_size > 1 and (not in_backward or group.unshard_in_backward):
                 group.unshard(async_op=True)
 
     def post_backward(self) -> None:
@@ -409,7 +445,7 @@ class ModuleState(_State):
         as FSDP2); this state's groups stay in flight together.
         """
         group.training_state = TrainingState.POST_BACKWARD
-        tracing.emit("post_backward", group.fqn, group.training_state.value)
+        tracing.emit("post_backward", group.fqn, group.training_state)
         ctx = self.ctx
         if ctx is not None and ctx.reducing and ctx.reducing[0] not in self.groups:
             for previous in ctx.reducing:
@@ -430,11 +466,16 @@ class ModuleState(_State):
             if group.reshard_after_backward and group.training_state == TrainingState.POST_BACKWARD:
                 group.reshard()
             group.training_state = TrainingState.IDLE
-        self._members_to_run = {id(m) for m in self.modules}
+        self._reset_members()
+
+    def _reset_members(self) -> None:
+        """Every member of a grouped call is yet to run (a one-module call never counts)."""
+        if len(self.modules) > 1:
+            self._members_to_run = {id(m) for m in self.modules}
 
     def discard_iteration(self) -> None:
         self._post_forward_indices.clear()
-        self._members_to_run = {id(m) for m in self.modules}
+        self._reset_members()
         for group in self.groups:
             group.discard_iteration()
 
