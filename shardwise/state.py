@@ -152,11 +152,12 @@ class _PostBackwardTrigger(torch.autograd.Function):
 
 
 class _PreBackwardHook:
-    """The hook a forward output carries: the state's pre-backward, once per backward of
+    """The hook a forward's outputs carry: the state's pre-backward, once per backward of
     that forward (``register_multi_grad_hook(mode="any")``'s contract) on whichever of its
     outputs' gradients comes first. One small object per forward call instead of
     ``register_multi_grad_hook``'s closures, lock and handle wrapper (its cost was a
-    sixth of a launch-bound step's host time)."""
+    sixth of a launch-bound step's host time). Called with a tensor hook's gradient or a
+    node pre-hook's tuple of them: unused."""
 
     __slots__ = ("state", "ran")
 
@@ -164,10 +165,24 @@ class _PreBackwardHook:
         self.state = state
         self.ran: dict[int, object] = {}  # graph-task ids this hook already ran in
 
-    def __call__(self, grad: torch.Tensor) -> None:
+    def __call__(self, grad: Any) -> None:
         mine = object()  # dict.setdefault is atomic: only one engine thread wins a task
         if self.ran.setdefault(torch._C._current_graph_task_id(), mine) is mine:
             self.state._pre_backward(grad)
+
+
+def _hook_outputs(tensors: list[torch.Tensor], hook: _PreBackwardHook) -> None:
+    """Run ``hook`` when the first of ``tensors``' gradients is about to flow back: a
+    pre-hook on each output's autograd node, which runs right where a tensor hook on the
+    output would (the node's inputs are the output's gradient), at a fiftieth of
+    ``Tensor.register_hook``'s cost (it builds a hook dict and a removable handle per call).
+    A leaf output (no node) takes a tensor hook."""
+    for t in tensors:
+        node = t.grad_fn
+        if node is None:
+            t.register_hook(hook)
+        else:
+            node.register_prehook(hook)
 
 
 class ModuleState(_State):
@@ -362,9 +377,7 @@ class ModuleState(_State):
             leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                hook = _PreBackwardHook(self)
-                for t in tensors:
-                    t.register_hook(hook)
+                _hook_outputs(tensors, _PreBackwardHook(self))
         if self.is_root:
             self._complete_partial_groups()
             self.ctx.forward_prefetcher.finish()
