@@ -118,9 +118,6 @@ class ParamGroup:
     def __repr__(self) -> str:
         return f"ParamGroup({self.fqn!r}, {len(self.params)} params, {self.sharded_state.value})"
 
-    def _emit(self, kind: str) -> None:
-        tracing.emit(kind, self.fqn, self.training_state)
-
     # ---- the sharded params -----------------------------------------------------------
 
     def _lay_out(self, dtypes: list[torch.dtype]) -> None:
@@ -274,7 +271,7 @@ class ParamGroup:
         """
         if self.gathered_or_gathering and self._gathered_stale():
             self.reshard()
-        if self.is_unsharded or self._pending_gather is not None:
+        if self.sharded_state is ShardedState.UNSHARDED or self._pending_gather is not None:
             return
         if self._params_replaced:  # module._apply or an assigning load replaced them
             self._adopt_registered_params()
@@ -284,9 +281,10 @@ class ParamGroup:
                 f"cannot unshard {self.fqn or 'the root module'}: parameters {names} are on the meta device; "
                 "call module.to_empty(device=...) and initialise them first"
             )
-        self._wait_post_optim_event()
+        if self.post_optim_event is not None:
+            self._wait_post_optim_event()
         self._ensure_unsharded_buffer()
-        self._emit("unshard")
+        tracing.emit("unshard", self.fqn, self.training_state)
         if self._aliased:
             self._register_unsharded()
             return
@@ -372,7 +370,7 @@ class ParamGroup:
         for p in self.params:
             p.register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
-        self._emit("wait_unshard")
+        tracing.emit("wait_unshard", self.fqn, self.training_state)
 
     # ---- reshard ----------------------------------------------------------------------
 
@@ -390,10 +388,11 @@ class ParamGroup:
     def _free_unsharded(self) -> None:
         for p in self.params:
             p.register_sharded()
-            p.free_own_unsharded()
+            if p._own_unsharded is not None:  # Shard(d != 0): storage of its own (free_own_unsharded)
+                p.free_own_unsharded()
         if self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
-        self._emit("reshard")
+        tracing.emit("reshard", self.fqn, self.training_state)
 
     def post_forward_reshard(self) -> None:
         """After forward: reshard fully (True), to a block of k ranks (int), or keep (False)."""

@@ -253,8 +253,9 @@ class ShardedParam:
         return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
     def register_sharded(self) -> None:
-        for site in self.sites:
-            site.set(self.sharded_param)
+        tensor = self.sharded_param
+        for site in self.sites:  # ParamSite.set, inlined: twice per param and step
+            site.module._parameters[site.name] = tensor
         self.sharded_state = ShardedState.SHARDED
 
     # ---- the unsharded side -----------------------------------------------------------
@@ -301,8 +302,9 @@ class ShardedParam:
             self._own_unsharded.untyped_storage().resize_(0)
 
     def register_unsharded(self) -> None:
-        for site in self.sites:
-            site.set(self.unsharded_param)
+        tensor = self.unsharded_param
+        for site in self.sites:  # ParamSite.set, inlined: twice per param and step
+            site.module._parameters[site.name] = tensor
         self.sharded_state = ShardedState.UNSHARDED
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:

@@ -158,7 +158,8 @@ class GradReducer:
                 grad = torch.zeros(p.unsharded_size, dtype=dtype, device=self.group.device)
             if unsharded is not None:
                 unsharded.grad = None
-            grad = None if grad is None else p.local_grad(grad)
+            if grad is not None and type(grad) is not torch.Tensor:  # a DTensor (TP) or subclass grad
+                grad = p.local_grad(grad)
             if acc is not None:
                 p.unsharded_accumulated_grad = None
                 grad = acc if grad is None else acc.add_(grad)
@@ -195,13 +196,14 @@ class GradReducer:
         """Shard size 1: nothing to reduce-scatter; replicate issues its all-reduce right away
         so it overlaps the rest of backward."""
         flat = packed.view(-1)  # (Pg,)
-        mesh_info = self.group.mesh_info
+        group = self.group
+        mesh_info = group.mesh_info
         if mesh_info.replicate_size == 1 or not self.requires_all_reduce or self._partial is not None:
             return _PendingReduce(None, flat, params, post_divide, packed)
         start = tracing.comm_clock()
         pg = mesh_info.replicate_group
-        work = monitor.issue("all-reduce", self.group.fqn, pg, flat, lambda: collectives.all_reduce(flat, pg, async_op=True))
-        tracing.comm_issued("all_reduce", self.group.fqn, self.group.training_state, start, work)
+        work = monitor.issue("all-reduce", group.fqn, pg, flat, lambda: collectives.all_reduce(flat, pg, async_op=True))
+        tracing.comm_issued("all_reduce", group.fqn, group.training_state, start, work)
         return _PendingReduce(work, flat, params, post_divide, packed, all_reduced=True)
 
     # ---- finishing --------------------------------------------------------------------
@@ -218,7 +220,8 @@ class GradReducer:
             tracing.wait(pending.work, kind, group.fqn, group.training_state)
         if group.mesh_info.shard_size > 1:  # else the packed buffer is the gradient itself
             collectives.free_storage(pending.packed)
-        pending = self._all_reduce_or_defer(pending)
+        if group.mesh_info.replicate_size > 1 and not pending.all_reduced:  # HSDP
+            pending = self._all_reduce_or_defer(pending)
         if pending is None:
             return
         reduced = pending.reduced
@@ -227,7 +230,7 @@ class GradReducer:
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(reduced)
         params = pending.params
-        pieces = reduced.split([p.padded_numel for p in params])  # one op: each param's padded segment
+        pieces = torch.split_with_sizes(reduced, [p.padded_numel for p in params])  # one op: each param's segment
         shards = [p.shard_view(piece) for p, piece in zip(params, pieces)]  # our real rows
         for p, local in zip(params, _to_sharded_devices(params, shards)):
             _accumulate_sharded_grad(p, local)

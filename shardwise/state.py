@@ -290,7 +290,11 @@ class ModuleState(_State):
             args, kwargs = tree_map(self._to_device, (args, kwargs))
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floating(self.mp_policy.param_dtype, (args, kwargs))
-        if self._recomputing():
+        # Inside a backward (a graph task runs): activation checkpointing re-runs forward. The
+        # params are gathered (by our pre-backward, or here for modules nested in the
+        # checkpointed region) and stay so until our post-backward: no reshard, hooks or
+        # order bookkeeping then (the post-forward hook tests the same).
+        if torch._C._current_graph_task_id() != -1:
             self._unshard_and_wait()  # nested modules were resharded after forward
             return args, kwargs
         # A grouped call's later members join the pass the first member opened: one
@@ -358,14 +362,8 @@ class ModuleState(_State):
             flat[i] = out
         return spec.unflatten(flat)
 
-    def _recomputing(self) -> bool:
-        """Activation checkpointing re-runs forward inside backward. The params are gathered
-        (by our pre-backward, or here for modules nested in the checkpointed region) and stay
-        so until our post-backward: no reshard, hooks or order bookkeeping then."""
-        return torch._C._current_graph_task_id() != -1
-
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        if self._recomputing():
+        if torch._C._current_graph_task_id() != -1:  # recomputing (see the pre-forward hook)
             return _cast_floating(self.mp_policy.output_dtype, output) if self.mp_policy.output_dtype else output
         if self.groups and self._last_member_ran(module):
             for group in self.groups:
