@@ -44,11 +44,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from bench.launch import _loopback_interface, _loopback_store
+from bench.launch import _loopback_interface, _loopback_store, gather_each, spawn_draining
 from bench.profiling import PACKAGE_OF, profile_call
 from bench.stats import percentile, worst_rank
 
@@ -187,13 +186,7 @@ def rank_main(rank: int, spec: OverheadSpec, queue) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
     try:
         mesh = init_device_mesh(spec.device, (spec.world_size,))
-        for k in spec.ks:
-            measured = measure_k(k, spec, mesh)
-            gathered = [None] * spec.world_size if rank == 0 else None
-            dist.gather_object(measured, gathered, dst=0)
-            if rank == 0:
-                queue.put((k, gathered))
-        dist.barrier()
+        gather_each(spec.ks, lambda k: measure_k(k, spec, mesh), queue)
     finally:
         dist.destroy_process_group()
 
@@ -226,14 +219,11 @@ def launch(spec: OverheadSpec, on_result) -> None:
     """Run ``spec`` on fresh ranks; ``on_result(summary)`` per K as each finishes."""
     store = _loopback_store()
     spec = dataclasses.replace(spec, store_port=store.port)
-    queue = tmp.get_context("spawn").SimpleQueue()
-    procs = tmp.start_processes(rank_main, args=(spec, queue), nprocs=spec.world_size, join=False, start_method="spawn")
-    done = False
-    while not done:
-        done = procs.join(timeout=0.2)
-        while not queue.empty():
-            k, per_rank = queue.get()
-            on_result(summarise(k, spec.world_size, spec.faults, per_rank))
+
+    def on_item(index: int, per_rank: list) -> None:
+        on_result(summarise(spec.ks[index], spec.world_size, spec.faults, per_rank))
+
+    spawn_draining(rank_main, spec, spec.world_size, on_item)
 
 
 def _mid(values: list[float]) -> float:
