@@ -15,4 +15,5 @@ full grid); see ``bench/README.md``. One module per concept:
 - :mod:`~bench.profiling` — the top costs of one cProfile'd step.
 - :mod:`~bench.report` — the JSON document and the table; :mod:`~bench.cli` — the command.
 - :mod:`~bench.compile` — ``python -m bench.compile``: torch.compile graph counts and the compiling step.
+- :mod:`~bench.overhead` — ``python -m bench.overhead``: each wrapper's host cost per unit on a launch-bound stack.
 """

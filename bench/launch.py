@@ -19,7 +19,7 @@ import dataclasses
 import datetime
 import os
 import socket
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from bench.cases import Case, Settings
 from bench.rank import CaseMeasurement, run_case
 
-__all__ = ["LaunchSpec", "CaseResult", "launch"]
+__all__ = ["LaunchSpec", "CaseResult", "launch", "spawn_draining", "gather_each"]
 
 CaseResult = list[CaseMeasurement]
 """One case as measured by every rank, index = rank."""
@@ -62,15 +62,32 @@ def launch(world_size: int, cases: list[Case], settings: Settings, on_result: On
     """Run ``cases`` on ``world_size`` fresh ranks; call ``on_result(case, result)`` as each finishes."""
     store = _loopback_store()
     spec = LaunchSpec(world_size, tuple(cases), settings, store.port)
-    ctx = tmp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = tmp.start_processes(rank_main, args=(spec, queue), nprocs=world_size, join=False, start_method="spawn")
+    spawn_draining(rank_main, spec, world_size, lambda index, result: on_result(spec.cases[index], result))
+
+
+def spawn_draining(target: Callable, spec: object, world_size: int, on_item: Callable[[int, list], None]) -> None:
+    """Spawn ``target(rank, spec, queue)`` on ``world_size`` ranks; while they run, call
+    ``on_item(index, per_rank)`` for each ``(index, per_rank)`` rank 0 puts on the queue."""
+    queue = tmp.get_context("spawn").SimpleQueue()
+    procs = tmp.start_processes(target, args=(spec, queue), nprocs=world_size, join=False, start_method="spawn")
     done = False
     while not done:
         done = procs.join(timeout=0.2)
         while not queue.empty():
-            index, result = queue.get()
-            on_result(spec.cases[index], result)
+            on_item(*queue.get())
+
+
+def gather_each(items: Sequence, measure: Callable[[Any], Any], queue) -> None:
+    """Every rank: ``measure(item)`` for each item in turn, gathered to rank 0, which puts
+    ``(index, [one result per rank])`` on ``queue``; a barrier after the last."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for index, item in enumerate(items):
+        measured = measure(item)
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object(measured, gathered, dst=0)
+        if rank == 0:
+            queue.put((index, gathered))
+    dist.barrier()
 
 
 def rank_main(rank: int, spec: LaunchSpec, queue) -> None:
@@ -82,13 +99,7 @@ def rank_main(rank: int, spec: LaunchSpec, queue) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
     try:
         mesh = init_device_mesh("cpu", (spec.world_size,))
-        for index, case in enumerate(spec.cases):
-            measured = run_case(case, spec.settings, mesh)
-            gathered = [None] * spec.world_size if rank == 0 else None
-            dist.gather_object(measured, gathered, dst=0)
-            if rank == 0:
-                queue.put((index, gathered))
-        dist.barrier()
+        gather_each(spec.cases, lambda case: run_case(case, spec.settings, mesh), queue)
     finally:
         dist.destroy_process_group()
 

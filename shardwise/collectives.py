@@ -150,7 +150,7 @@ def pack_dividing(
     flat = packed.view(-1)
     if total < SMALL_GRAD_NUMEL * len(grads) and all(g.dtype == dtype for g in grads):
         torch.cat([g.reshape(-1) for g in grads], out=flat)  # (P,)
-        return packed.div_(divisor) if divisor != 1.0 else packed
+        return packed.div_(divisor) if divisor != 1.0 else packed  # g / 1 is g, bit for bit
     offset = 0
     for grad in grads:
         numel = grad.numel()

@@ -70,6 +70,7 @@ class ParamGroup(TorchGroupNames):
     post_forward: PostForwardGroup | None  # set for reshard_after_forward=int
     _layout: FlatLayout  # where each param's padded shard lies in a rank's (P,) all-gather row
     _params_replaced: bool  # module._apply / load_state_dict(assign=True) replaced params: adopt lazily
+    _on_meta: list[ShardedParam]  # params whose shard is on meta (changes only where shards are made)
     _unsharded_flat: torch.Tensor | None  # (N*P,) in param dtype; storage empty while sharded
     _aliased: bool  # shard size 1, nothing to cast or move: segments are the padded shards
     _segments: list[torch.Tensor]  # per param (N*width,) views into _unsharded_flat, in gather units
@@ -112,13 +113,11 @@ class ParamGroup(TorchGroupNames):
         self._lay_out([o.dtype for o in originals])
         for p, original in zip(params, originals):
             p.init_sharded_param(p.local_chunk(original), self._storage_device(), self.pin_memory)
+        self._on_meta = [p for p in self.params if p.padded_shard.is_meta]
         self.reducer = GradReducer(self)
 
     def __repr__(self) -> str:
         return f"ParamGroup({self.fqn!r}, {len(self.params)} params, {self.sharded_state.value})"
-
-    def _emit(self, kind: str) -> None:
-        tracing.emit(kind, self.fqn, self.training_state.value)
 
     # ---- the sharded params -----------------------------------------------------------
 
@@ -176,6 +175,7 @@ class ParamGroup(TorchGroupNames):
         for p, param in zip(self.params, held):
             p.adopt(param, self._storage_device(), self.pin_memory)
             p.unsharded_param = None
+        self._on_meta = [p for p in self.params if p.padded_shard.is_meta]
         self._lay_out([p.sharded_param.dtype for p in self.params])
         self._unsharded_flat = None
         self._aliased = False
@@ -280,20 +280,21 @@ class ParamGroup(TorchGroupNames):
         """
         if self.gathered_or_gathering and self._gathered_stale():
             self.reshard()
-        if self.is_unsharded or self._pending_gather is not None:
+        if self.sharded_state is ShardedState.UNSHARDED or self._pending_gather is not None:
             return
         if self._params_replaced:  # module._apply or an assigning load replaced them
             self._adopt_registered_params()
-        if any(p.padded_shard.is_meta for p in self.params):
-            names = [p.fqn for p in self.params if p.padded_shard.is_meta]
+        if self._on_meta:
+            names = [p.fqn for p in self._on_meta]
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, but the following "
                 f"were still on meta device: {names}; call module.to_empty(device=...) on the root and "
                 "initialise them (reset_parameters()) before the first forward"
             )
-        self._wait_post_optim_event()
+        if self.post_optim_event is not None:
+            self._wait_post_optim_event()
         self._ensure_unsharded_buffer()
-        self._emit("unshard")
+        tracing.emit("unshard", self.fqn, self.training_state)
         if self._aliased:
             self._register_unsharded()
             return
@@ -308,7 +309,7 @@ class ParamGroup(TorchGroupNames):
                 "all-gather", self.fqn, group, gather_input,
                 lambda: self.all_gather_comm(gathered, gather_input, group, async_op=True),
             )
-            tracing.comm_issued("all_gather", self.fqn, self.training_state.value, start, work)
+            tracing.comm_issued("all_gather", self.fqn, self.training_state, start, work)
         self._pending_gather = _PendingGather(work, gathered, n, scratch)
         if not async_op:
             self.wait_for_unshard()
@@ -361,7 +362,7 @@ class ParamGroup(TorchGroupNames):
             return
         self._pending_gather = None
         if pending.work is not None:
-            tracing.wait(pending.work, "all_gather", self.fqn, self.training_state.value)
+            tracing.wait(pending.work, "all_gather", self.fqn, self.training_state)
         if not self._lands_unsharded(pending.gathered):
             self._allocate_unsharded_storage()
             n = pending.num_shards
@@ -379,7 +380,7 @@ class ParamGroup(TorchGroupNames):
         for p in self.params:
             p.register_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
-        self._emit("wait_unshard")
+        tracing.emit("wait_unshard", self.fqn, self.training_state)
 
     # ---- reshard ----------------------------------------------------------------------
 
@@ -397,10 +398,11 @@ class ParamGroup(TorchGroupNames):
     def _free_unsharded(self) -> None:
         for p in self.params:
             p.register_sharded()
-            p.free_own_unsharded()
+            if p._own_unsharded is not None:  # Shard(d != 0): storage of its own (free_own_unsharded)
+                p.free_own_unsharded()
         if self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
-        self._emit("reshard")
+        tracing.emit("reshard", self.fqn, self.training_state)
 
     def post_forward_reshard(self) -> None:
         """After forward: reshard fully (True), to a block of k ranks (int), or keep (False)."""

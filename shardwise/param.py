@@ -146,9 +146,9 @@ class ShardedParam(TorchParamNames):
 
     def shard_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
         """The real (unpadded) rows of a padded segment (a reduced gradient buffer), as a view."""
-        if self.shard_dim == 0:
+        if self.shard_dim == 0 and self.local_size[0] != self.padded_rows:
             return padded_flat.view(self._padded_shape)[: self.local_size[0]]
-        return padded_flat.view(self.local_size)
+        return padded_flat.view(self.local_size)  # no padding rows: the segment is the shard
 
     def placements(self) -> tuple:
         return self._placements
@@ -251,11 +251,15 @@ class ShardedParam(TorchParamNames):
             spec = self._sharded_spec(local.dtype)
         else:
             spec = self._spec
-        return DTensor(local, spec, requires_grad=False)
+        # DTensor's own __new__ (C++) sets the local tensor and spec; DTensor.__init__ does
+        # nothing in eager mode (it only intercepts torch.export) and costs more than the
+        # construction itself behind its two wrappers: one per param and step.
+        return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
     def register_sharded(self) -> None:
-        for site in self.sites:
-            site.set(self.sharded_param)
+        tensor = self.sharded_param
+        for site in self.sites:  # ParamSite.set, inlined: twice per param and step
+            site.module._parameters[site.name] = tensor
         self.sharded_state = ShardedState.SHARDED
 
     # ---- the unsharded side -----------------------------------------------------------
@@ -302,8 +306,9 @@ class ShardedParam(TorchParamNames):
             self._own_unsharded.untyped_storage().resize_(0)
 
     def register_unsharded(self) -> None:
-        for site in self.sites:
-            site.set(self.unsharded_param)
+        tensor = self.unsharded_param
+        for site in self.sites:  # ParamSite.set, inlined: twice per param and step
+            site.module._parameters[site.name] = tensor
         self.sharded_state = ShardedState.UNSHARDED
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:

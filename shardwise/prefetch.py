@@ -41,6 +41,7 @@ class PrefetchTarget(Protocol):
     state.py, so imports flow one way)."""
 
     groups: Sequence[_Gatherable]  # one per mesh; empty when the state has no params
+    gathers: bool  # some group's unshard is a collective (shard size > 1): worth starting early
 
     def prefetch(self, in_backward: bool = False) -> None: ...
 
@@ -71,8 +72,9 @@ class ForwardPrefetcher:
         self.active = True
 
     def enter(self, state: PrefetchTarget) -> None:
-        """``state`` entered forward (its first member, once per pass)."""
-        if self.active and state.groups:
+        """``state`` entered forward (its first member, once per pass); only states whose
+        unshard communicates are followed (at shard size 1 there is nothing to overlap)."""
+        if self.active and state.gathers:
             self._order.append(state)
 
     def prefetch_after(self, state: PrefetchTarget) -> None:

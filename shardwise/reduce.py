@@ -161,7 +161,8 @@ class GradReducer:
                 grad = torch.zeros(p.unsharded_size, dtype=dtype, device=self.group.device)
             if unsharded is not None:
                 unsharded.grad = None
-            grad = None if grad is None else p.local_grad(grad)
+            if grad is not None and type(grad) is not torch.Tensor:  # a DTensor (TP) or subclass grad
+                grad = p.local_grad(grad)
             if acc is not None:
                 p.unsharded_accumulated_grad = None
                 grad = acc if grad is None else acc.add_(grad)
@@ -178,7 +179,7 @@ class GradReducer:
         packed = self._pack(params, grads, dtype, plan.pre_divide)  # (N, Pg) in reduce_dtype
         if plan.pre_multiply != 1.0:
             packed.mul_(plan.pre_multiply)
-        tracing.emit("reduce", group.fqn, group.training_state.value)
+        tracing.emit("reduce", group.fqn, group.training_state)
         if n == 1:
             self._pending = self._start_without_shards(params, packed, plan.post_divide)
             self._pending.divide_before_hook = plan.divides_as_collective
@@ -191,7 +192,7 @@ class GradReducer:
             "reduce-scatter", group.fqn, pg, packed,
             lambda: comm(reduced, packed.view(-1), pg, dist.ReduceOp.SUM, async_op=True),
         )
-        tracing.comm_issued("reduce_scatter", group.fqn, group.training_state.value, start, work)
+        tracing.comm_issued("reduce_scatter", group.fqn, group.training_state, start, work)
         receive_buffer = isinstance(comm, collectives.DefaultReduceScatter) and collectives.all_to_all_receive_buffer(pg)
         self._pending = _PendingReduce(
             work, reduced, params, plan.post_divide, packed, receive_buffer=receive_buffer,
@@ -202,15 +203,16 @@ class GradReducer:
         """Shard size 1: nothing to reduce-scatter; replicate issues its all-reduce right away
         so it overlaps the rest of backward."""
         flat = packed.view(-1)  # (Pg,)
-        mesh_info = self.group.mesh_info
+        group = self.group
+        mesh_info = group.mesh_info
         if mesh_info.replicate_size == 1 and post_divide != 1.0:  # world size 1: torch's one division
             return _PendingReduce(None, flat / post_divide, params, 1.0, packed)
         if mesh_info.replicate_size == 1 or not self.requires_all_reduce or self._partial is not None:
             return _PendingReduce(None, flat, params, post_divide, packed)
         start = tracing.comm_clock()
         pg = mesh_info.replicate_group
-        work = monitor.issue("all-reduce", self.group.fqn, pg, flat, lambda: collectives.all_reduce(flat, pg, async_op=True))
-        tracing.comm_issued("all_reduce", self.group.fqn, self.group.training_state.value, start, work)
+        work = monitor.issue("all-reduce", group.fqn, pg, flat, lambda: collectives.all_reduce(flat, pg, async_op=True))
+        tracing.comm_issued("all_reduce", group.fqn, group.training_state, start, work)
         return _PendingReduce(work, flat, params, post_divide, packed, all_reduced=True)
 
     # ---- finishing --------------------------------------------------------------------
@@ -224,10 +226,11 @@ class GradReducer:
         group = self.group
         if pending.work is not None:
             kind = "all_reduce" if pending.all_reduced else "reduce_scatter"
-            tracing.wait(pending.work, kind, group.fqn, group.training_state.value)
+            tracing.wait(pending.work, kind, group.fqn, group.training_state)
         if group.mesh_info.shard_size > 1:  # else the packed buffer is the gradient itself
             collectives.free_storage(pending.packed)
-        pending = self._all_reduce_or_defer(pending)
+        if group.mesh_info.replicate_size > 1 and not pending.all_reduced:  # HSDP
+            pending = self._all_reduce_or_defer(pending)
         if pending is None:
             return
         reduced = pending.reduced
@@ -238,13 +241,12 @@ class GradReducer:
             self._run_all_reduce_hook(reduced)
         if divide and not pending.divide_before_hook:
             reduced.div_(pending.post_divide)
-        shards, offset = [], 0
-        for p in pending.params:
-            shards.append(p.shard_view(reduced[offset : offset + p.padded_numel]))  # our real rows
-            offset += p.padded_numel
-        for p, local in zip(pending.params, _to_sharded_devices(pending.params, shards)):
+        params = pending.params
+        pieces = torch.split_with_sizes(reduced, [p.padded_numel for p in params])  # one op: each param's segment
+        shards = [p.shard_view(piece) for p, piece in zip(params, pieces)]  # our real rows
+        for p, local in zip(params, _to_sharded_devices(params, shards)):
             _accumulate_sharded_grad(p, local)
-        tracing.emit("reduce_done", group.fqn, group.training_state.value)
+        tracing.emit("reduce_done", group.fqn, group.training_state)
 
     def _run_all_reduce_hook(self, reduced: torch.Tensor) -> None:
         """``all_reduce_hook(reduced)``, on ``all_reduce_hook_stream`` when one was set.
@@ -285,7 +287,7 @@ class GradReducer:
         if not self.requires_all_reduce:
             self._partial = pending
             return None
-        start, fqn, state = tracing.comm_clock(), self.group.fqn, self.group.training_state.value
+        start, fqn, state = tracing.comm_clock(), self.group.fqn, self.group.training_state
         pg, reduced = mesh_info.replicate_group, pending.reduced
         monitor.issue("all-reduce", fqn, pg, reduced, lambda: collectives.all_reduce(reduced, pg, async_op=True)).wait()
         tracing.comm_issued("all_reduce", fqn, state, start, None)  # waited here: blocked throughout
@@ -342,7 +344,11 @@ def _to_sharded_devices(params: list[ShardedParam], shards: list[torch.Tensor]) 
     tensor handed to ``.grad`` must hold its values, since the optimizer (and ``add_`` into
     an existing grad) reads it on the host without any stream ordering.
     """
-    locals_ = [s.to(p.sharded_param.device, p.sharded_param.dtype, non_blocking=True) for p, s in zip(params, shards)]
+    locals_ = [
+        s if s.dtype == p.padded_shard.dtype and s.device == p.padded_shard.device
+        else s.to(p.padded_shard.device, p.padded_shard.dtype, non_blocking=True)
+        for p, s in zip(params, shards)
+    ]  # fmt: skip
     if shards[0].device.type == "cuda" and locals_[0].device.type == "cpu":  # one device per group
         torch.cuda.current_stream(shards[0].device).synchronize()
     return locals_

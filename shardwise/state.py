@@ -167,12 +167,47 @@ class _PostBackwardTrigger(torch.autograd.Function):
         return (None,) + grads
 
 
+class _PreBackwardHook:
+    """The hook a forward's outputs carry: the state's pre-backward, once per backward of
+    that forward (``register_multi_grad_hook(mode="any")``'s contract) on whichever of its
+    outputs' gradients comes first. One small object per forward call instead of
+    ``register_multi_grad_hook``'s closures, lock and handle wrapper (its cost was a
+    sixth of a launch-bound step's host time). Called with a tensor hook's gradient or a
+    node pre-hook's tuple of them: unused."""
+
+    __slots__ = ("state", "ran")
+
+    def __init__(self, state: "ModuleState"):
+        self.state = state
+        self.ran: dict[int, object] = {}  # graph-task ids this hook already ran in
+
+    def __call__(self, grad: Any) -> None:
+        mine = object()  # dict.setdefault is atomic: only one engine thread wins a task
+        if self.ran.setdefault(torch._C._current_graph_task_id(), mine) is mine:
+            self.state._pre_backward(grad)
+
+
+def _hook_outputs(tensors: list[torch.Tensor], hook: _PreBackwardHook) -> None:
+    """Run ``hook`` when the first of ``tensors``' gradients is about to flow back: a
+    pre-hook on each output's autograd node, which runs right where a tensor hook on the
+    output would (the node's inputs are the output's gradient), at a fiftieth of
+    ``Tensor.register_hook``'s cost (it builds a hook dict and a removable handle per call).
+    A leaf output (no node) takes a tensor hook."""
+    for t in tensors:
+        node = t.grad_fn
+        if node is None:
+            t.register_hook(hook)
+        else:
+            node.register_prehook(hook)
+
+
 class ModuleState(TorchStateNames, _State):
     """Hooks for the module(s) of one fully_shard call, delegating the work to its groups."""
 
     modules: tuple[nn.Module, ...]
     groups: tuple[ParamGroup, ...]  # one per mesh, in torch's order; () when no parameters
     reversed_groups: tuple[ParamGroup, ...]  # the same, last first (post-backward's order)
+    gathers: bool  # some group all-gathers (shard size > 1); else a prefetch has nothing to start
     mesh_info: MeshInfo
     device: torch.device
     mp_policy: MixedPrecisionPolicy
@@ -189,6 +224,7 @@ class ModuleState(TorchStateNames, _State):
         self.modules = tuple(modules)
         self.groups = tuple(groups)
         self.reversed_groups = self.groups[::-1]
+        self.gathers = any(g.mesh_info.shard_size > 1 for g in self.groups)
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
@@ -273,7 +309,11 @@ class ModuleState(TorchStateNames, _State):
             args, kwargs = tree_map(self._to_device, (args, kwargs))
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floating(self.mp_policy.param_dtype, (args, kwargs))
-        if self._recomputing():
+        # Inside a backward (a graph task runs): activation checkpointing re-runs forward. The
+        # params are gathered (by our pre-backward, or here for modules nested in the
+        # checkpointed region) and stay so until our post-backward: no reshard, hooks or
+        # order bookkeeping then (the post-forward hook tests the same).
+        if torch._C._current_graph_task_id() != -1:
             self._unshard_and_wait()  # nested modules were resharded after forward
             return args, kwargs
         # A grouped call's later members join the pass the first member opened: one
@@ -323,6 +363,15 @@ class ModuleState(TorchStateNames, _State):
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
 
     def _wrap_post_backward_trigger(self, args: tuple, kwargs: dict):
+        if not kwargs and all(isinstance(x, torch.Tensor) for x in args):  # positional tensors: no pytree
+            positions = [i for i, x in enumerate(args) if x.requires_grad]
+            if not positions or not self.groups:
+                return args, kwargs
+            outputs = _PostBackwardTrigger.apply(weakref.ref(self), *(args[i] for i in positions))
+            flat = list(args)
+            for i, out in zip(positions, outputs):
+                flat[i] = out
+            return tuple(flat), kwargs
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions or not self.groups:
@@ -332,14 +381,8 @@ class ModuleState(TorchStateNames, _State):
             flat[i] = out
         return spec.unflatten(flat)
 
-    def _recomputing(self) -> bool:
-        """Activation checkpointing re-runs forward inside backward. The params are gathered
-        (by our pre-backward, or here for modules nested in the checkpointed region) and stay
-        so until our post-backward: no reshard, hooks or order bookkeeping then."""
-        return torch._C._current_graph_task_id() != -1
-
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        if self._recomputing():
+        if torch._C._current_graph_task_id() != -1:  # recomputing (see the pre-forward hook)
             return _cast_floating(self.mp_policy.output_dtype, output) if self.mp_policy.output_dtype else output
         if self.groups and self._last_member_ran(module):
             for group in self.groups:
@@ -348,9 +391,10 @@ class ModuleState(TorchStateNames, _State):
         if torch.is_grad_enabled():
             self._post_forward_indices.append(len(self.ctx.post_forward_order))
             self.ctx.post_forward_order.append(self)
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+                _hook_outputs(tensors, _PreBackwardHook(self))
         if self.is_root:
             self._complete_partial_groups()
             self.ctx.forward_prefetcher.finish()
@@ -372,6 +416,8 @@ class ModuleState(TorchStateNames, _State):
 
     def _last_member_ran(self, module: nn.Module) -> bool:
         """Grouped calls keep the params gathered until every member ran forward once."""
+        if len(self.modules) == 1:
+            return True
         self._members_to_run.discard(id(module))
         if self._members_to_run:
             return False
@@ -409,9 +455,10 @@ class ModuleState(TorchStateNames, _State):
 
     def prefetch(self, in_backward: bool = False) -> None:
         """Start this state's all-gathers without waiting (forward/backward prefetch); in
-        backward the last group first, as torch prefetches them."""
+        backward the last group first, as torch prefetches them. A group of shard size 1
+        gathers nothing: its own pre-hook unshards it (registers its params) in time."""
         for group in self.reversed_groups if in_backward else self.groups:
-            if not in_backward or group.unshard_in_backward:
+            if group.mesh_info.shard_size > 1 and (not in_backward or group.unshard_in_backward):
                 group.unshard(async_op=True)
 
     def post_backward(self) -> None:
@@ -428,7 +475,7 @@ class ModuleState(TorchStateNames, _State):
         as FSDP2); this state's groups stay in flight together.
         """
         group.training_state = TrainingState.POST_BACKWARD
-        tracing.emit("post_backward", group.fqn, group.training_state.value)
+        tracing.emit("post_backward", group.fqn, group.training_state)
         ctx = self.ctx
         if ctx is not None and ctx.reducing and ctx.reducing[0] not in self.groups:
             for previous in ctx.reducing:
@@ -449,11 +496,16 @@ class ModuleState(TorchStateNames, _State):
             if group.reshard_after_backward and group.training_state == TrainingState.POST_BACKWARD:
                 group.reshard()
             group.training_state = TrainingState.IDLE
-        self._members_to_run = {id(m) for m in self.modules}
+        self._reset_members()
+
+    def _reset_members(self) -> None:
+        """Every member of a grouped call is yet to run (a one-module call never counts)."""
+        if len(self.modules) > 1:
+            self._members_to_run = {id(m) for m in self.modules}
 
     def discard_iteration(self) -> None:
         self._post_forward_indices.clear()
-        self._members_to_run = {id(m) for m in self.modules}
+        self._reset_members()
         for group in self.groups:
             group.discard_iteration()
 

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import json
 import os
 import time
 from typing import Iterator
 
 import torch
+import torch.autograd.profiler as _profiler
 import torch.distributed as dist
 
 from shardwise.collectives import work_is_completed
@@ -182,11 +184,18 @@ def trace() -> Iterator[Trace]:
         yield t
 
 
-def emit(kind: str, fqn: str, training_state: str) -> None:
-    """Record an event if a trace is active; mark it for the torch profiler if one runs."""
+def _state_name(training_state: "str | enum.Enum") -> str:
+    return training_state.value if isinstance(training_state, enum.Enum) else training_state
+
+
+def emit(kind: str, fqn: str, training_state: "str | enum.Enum") -> None:
+    """Record an event if a trace is active; mark it for the torch profiler if one runs.
+
+    ``training_state`` may be the group's enum: its name is read only when recording (the
+    library calls this at every lifecycle point, so the off path is two flag tests)."""
     if _ACTIVE is not None:
-        _ACTIVE.add(kind, fqn, training_state)
-    if torch.autograd.profiler._is_profiler_enabled:
+        _ACTIVE.add(kind, fqn, _state_name(training_state))
+    if _profiler._is_profiler_enabled:
         with torch.profiler.record_function(f"shardwise::{kind} ({fqn})"):
             pass
 
@@ -207,16 +216,16 @@ def comm_clock() -> int:
     return time.monotonic_ns() if _ACTIVE is not None else 0
 
 
-def comm_issued(kind: str, fqn: str, training_state: str, start_ns: int, work) -> None:
+def comm_issued(kind: str, fqn: str, training_state: "str | enum.Enum", start_ns: int, work) -> None:
     """Record a collective issued at ``start_ns`` (from :func:`comm_clock`) if a trace is active;
     ``work`` is its handle, ``None`` for a synchronous collective."""
     if _ACTIVE is not None:
-        _ACTIVE.add_comm(kind, fqn, training_state, start_ns, work)
+        _ACTIVE.add_comm(kind, fqn, _state_name(training_state), start_ns, work)
 
 
-def wait(work, kind: str, fqn: str, training_state: str) -> None:
+def wait(work, kind: str, fqn: str, training_state: "str | enum.Enum") -> None:
     """``work.wait()``; while a trace is active, also record how long this rank was blocked."""
     if _ACTIVE is None:
         work.wait()
     else:
-        _ACTIVE.timed_wait(work, kind, fqn, training_state)
+        _ACTIVE.timed_wait(work, kind, fqn, _state_name(training_state))

@@ -228,3 +228,33 @@ def test_replicate_peers_issue_the_same_collectives(quick_tiny_run):
     sw, th = res["impls"]["shardwise"], res["impls"]["torch"]
     assert sw["comm_counts"] == th["comm_counts"] and sw["comm_counts"]["all_reduce"] == 6  # 5 blocks + root
     assert sw["payload_bytes_by_kind"] == th["payload_bytes_by_kind"]
+
+
+# ---------------------------------------------------------------- bench.overhead
+
+
+def test_overhead_quick_runs_every_contender_and_they_train_the_same_losses():
+    """``python -m bench.overhead --quick``: a table per (faults, world size, K), every
+    contender timed in every round, and every contender's losses equal to the plain
+    model's (all ranks share one batch, so a wrapper that loses or doubles a gradient
+    shows). No timing is asserted: the machine is shared."""
+    from bench.overhead import CONTENDERS, format_tables, run
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summaries = run(["--quick", "--profile"])
+    assert [(s["faults"], s["world_size"], s["k"]) for s in summaries] == [
+        ("on", 1, 2), ("on", 2, 2), ("off", 1, 2), ("off", 2, 2),
+    ]  # fmt: skip
+    for s in summaries:
+        assert set(s["rows"]) == set(CONTENDERS)
+        for name, row in s["rows"].items():
+            assert set(row) == {"step_s", "cpu_s", "unit_us", "cpu_unit_us"}
+            assert len(row["step_s"]) == 1 and row["step_s"][0] > 0 and row["cpu_s"][0] > 0
+            assert s["max_loss_diff_vs_plain"][name] <= 1e-6, (name, s["max_loss_diff_vs_plain"])
+        assert s["rows"]["plain"]["unit_us"] == [0.0]
+        assert set(s["calls"]) == set(CONTENDERS) and s["calls"]["plain"]["calls"] > 0
+        assert s["calls"]["shardwise.fully_shard"]["own_calls"] > 0
+    table = printed.getvalue()
+    assert table.count("faults=") == 4 and all(name in table for name in CONTENDERS)
+    assert format_tables(summaries[:1]).splitlines()[1] == "faults=on world_size=1 K=2"
