@@ -22,6 +22,7 @@ import torch
 
 from shardwise.checkpoint import CheckpointDir, CheckpointError
 from shardwise.checkpoint.faults import parse_faults
+from shardwise.checkpoint.trainer_state import check_shapes
 from shardwise.train.config import TrainConfig
 from shardwise.train.loop import train
 from shardwise.train.metrics import read_metrics
@@ -129,10 +130,14 @@ def test_a_run_without_resume_refuses_a_directory_holding_checkpoints(saved, sin
         train(_cfg(checkpoint_dir=str(saved[0])), single_rank)
 
 
-def test_checkpoint_of_another_shape_names_the_key_and_both_shapes(saved, single_rank):
+def test_checkpoint_of_another_shape_names_what_differs(saved, single_rank):
+    """The train job compares the saved model card before any rank loads (#24); below it,
+    the loader's shape check names the first mismatched key and both shapes."""
+    with pytest.raises(ValueError, match=r"of another model \(seq_len=16 there, 32 here\)"):
+        _resume(saved[0], single_rank, seq_len=32)
     with pytest.raises(CheckpointError, match=r"'pos_embeddings.weight' has shape \(16, 32\) in the checkpoint "
                                               r"and \(32, 32\) in the model"):
-        _resume(saved[0], single_rank, seq_len=32)
+        check_shapes({"pos_embeddings.weight": [16, 32]}, {"pos_embeddings.weight": [32, 32]}, saved[0])
 
 
 def test_metrics_lines_survive_a_torn_write_and_resume_duplicates(tmp_path):

@@ -60,11 +60,15 @@ def _comparable(card: dict[str, Any]) -> dict[str, Any]:
 
 
 def saved_card(checkpoint_dir: str | Path) -> dict[str, Any] | None:
-    """The model card of the newest committed checkpoint in ``checkpoint_dir`` (``None``: none there)."""
+    """The model card of the newest committed checkpoint in ``checkpoint_dir`` (``None``: none
+    there, or its manifest cannot be read: the resume's own verification names that damage)."""
     path = CheckpointDir(checkpoint_dir).latest()
     if path is None:
         return None
-    meta = json.loads((path / MANIFEST).read_text()).get("meta", {})
+    try:
+        meta = json.loads((path / MANIFEST).read_text()).get("meta", {})
+    except (OSError, ValueError):
+        return None
     return meta.get(CARD_KEY)
 
 
