@@ -40,6 +40,7 @@ class Case:
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool | int | None = None
     after_step: Callable[[nn.Module], None] | None = None  # e.g. precompute_float8_dynamic_scale_for_fsdp
+    configure: Callable[[nn.Module], None] | None = None  # after sharding, on both (set_* knobs)
     offload: bool = False  # CPUOffloadPolicy(pin_memory=False)
     shard_kwargs: dict = dataclasses.field(default_factory=dict)  # the same for both (mesh=...)
 
@@ -59,7 +60,10 @@ def _shard(case: Case, model: nn.Module, fully_shard, policies) -> nn.Module:
         kwargs["reshard_after_forward"] = case.reshard_after_forward
     for unit in case.shard_units(model):
         fully_shard(unit, **kwargs)
-    return fully_shard(model, **kwargs)
+    model = fully_shard(model, **kwargs)
+    if case.configure is not None:
+        case.configure(model)
+    return model
 
 
 @contextlib.contextmanager
