@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections import Counter
 from typing import Callable
 from unittest import mock
@@ -115,6 +116,23 @@ def side_by_side(case: Case, counter: Callable[[], int]) -> tuple[nn.Module, nn.
         assert step_tallies[0] == step_tallies[1], f"{where}: ours {step_tallies[0]} vs torch {step_tallies[1]}"
         tallies.append(tuple(step_tallies))
     return ours, theirs, tallies
+
+
+def side_by_side_counting(case: Case, cls: type) -> tuple[nn.Module, list[tuple[int, dict]]]:
+    """:func:`side_by_side`, counting ``cls.fsdp_pre_all_gather`` calls (patched for the run;
+    the signature torch and shardwise inspect stays the original's). Returns our model and
+    our per-step ``(pre-all-gather calls, all-gather bytes by dtype)``, equal to torch's."""
+    calls = [0]
+    real = cls.fsdp_pre_all_gather
+
+    @functools.wraps(real)
+    def counting(tensor, *args):
+        calls[0] += 1
+        return real(tensor, *args)
+
+    with mock.patch.object(cls, "fsdp_pre_all_gather", counting):
+        ours, _, tallies = side_by_side(case, lambda: calls[0])
+    return ours, [(t.pre_all_gather_calls, dict(t.gathered)) for t, _ in tallies]
 
 
 def assert_same_params(ours: nn.Module, theirs: nn.Module, where: str, grads: bool = False) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.testing import run_on_ranks
-from tests._extension_helpers import Case, side_by_side
+from tests._extension_helpers import Case, side_by_side_counting
 
 TIMEOUT = 180
 BF16 = torch.bfloat16
@@ -59,24 +59,6 @@ class QLoRA(nn.Module):
         return self.output(x)
 
 
-class _PreAllGatherCount:
-    def __init__(self):
-        from torchao.quantization import NF4Tensor
-
-        self.calls, self._real = 0, NF4Tensor.fsdp_pre_all_gather
-
-        def counting(tensor, mesh):
-            self.calls += 1
-            return self._real(tensor, mesh)
-
-        NF4Tensor.fsdp_pre_all_gather = counting
-
-    def restore(self):
-        from torchao.quantization import NF4Tensor
-
-        NF4Tensor.fsdp_pre_all_gather = self._real
-
-
 def _qlora(reshard_after_forward) -> list:
     from torchao.quantization import NF4Tensor
 
@@ -89,11 +71,7 @@ def _qlora(reshard_after_forward) -> list:
         lr=0.5,
         steps=3,
     )
-    count = _PreAllGatherCount()
-    try:
-        ours, _, tallies = side_by_side(case, lambda: count.calls)
-    finally:
-        count.restore()
+    ours, per_step = side_by_side_counting(case, NF4Tensor)
     for name, p in ours.named_parameters():
         if not p.requires_grad:
             assert type(p.to_local()) is NF4Tensor and p.grad is None, f"{name}: {type(p.to_local())}"
@@ -101,7 +79,7 @@ def _qlora(reshard_after_forward) -> list:
             assert p.dtype == BF16 and p.grad is not None, name
     sd = ours.state_dict()
     assert all(type(sd[k].to_local()) is NF4Tensor for k in sd if k.endswith(".weight") and "lora" not in k)
-    return [(ours_tally.pre_all_gather_calls, dict(ours_tally.gathered)) for ours_tally, _ in tallies]
+    return per_step
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
