@@ -7,7 +7,8 @@ Everything here runs inside the ranks of :func:`shardwise.testing.run_on_ranks`.
   ``__tensor_flatten__`` (a DTensor's local tensor, an int8 weight's ``int_data`` and
   ``scale``, an NF4 tensor's quantized data and scalers), so two parameters compare bit for
   bit even where the subclass has no ``aten.equal``;
-- :func:`assert_same`: same type at every level and ``torch.equal`` inner tensors;
+- :func:`assert_same`: same type at every level, same placements, ``torch.equal`` inner
+  tensors;
 - :class:`GatherInputs`: what a subclass's ``fsdp_pre_all_gather`` handed to the
   all-gather, in bytes per dtype, with the all-gather payload seen at the dispatcher
   (:class:`shardwise.testing.CommCounter`) — the "bytes each rank all-gathers" of a step.
@@ -52,6 +53,8 @@ def type_chain(t: torch.Tensor) -> tuple[str, ...]:
 def assert_same(ours: torch.Tensor, theirs: torch.Tensor, where: str) -> None:
     """Same subclass chain, dtype and shape, and bit-equal inner tensors."""
     assert type_chain(ours) == type_chain(theirs), f"{where}: type {type_chain(ours)} vs torch's {type_chain(theirs)}"
+    if isinstance(ours, DTensor):
+        assert ours.placements == theirs.placements, f"{where}: placements {ours.placements} vs torch's {theirs.placements}"
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (
         f"{where}: {ours.dtype} {tuple(ours.shape)} vs torch's {theirs.dtype} {tuple(theirs.shape)}"
     )
