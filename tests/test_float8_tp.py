@@ -108,7 +108,7 @@ def _parity(param_dtype, precompute: bool) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "param_dtype, precompute", [(None, True), (BF16, True), (BF16, False)], ids=["fp32-precompute", "bf16-precompute", "bf16"]
+    "param_dtype, precompute", [(None, False), (BF16, True)], ids=["fp32", "bf16-precompute"]
 )
 def test_float8_tp_fsdp_matches_torch(param_dtype, precompute):
     run_on_ranks(_parity, 4, param_dtype, precompute, timeout=TIMEOUT)
