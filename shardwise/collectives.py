@@ -38,7 +38,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
     """All-gather ``input`` (P,) from every rank into ``output`` (N*P,), rank-major."""
-    comm_stats.record("all_gather", _nbytes(output), dist.get_world_size(group))
+    comm_stats.record("all_gather", _nbytes(output), dist.get_world_size(group), output.dtype)
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
@@ -49,15 +49,15 @@ def work_is_completed(work) -> bool:
     return bool(check()) if callable(check) else False
 
 
-def copy_in(slot: torch.Tensor, shards: list[torch.Tensor], widths: list[int]) -> None:
-    """Lay the padded ``shards`` back to back into ``slot`` (P,), each into ``widths[i]`` of
-    the slot's units: our input of an in-place all-gather (FSDP2's copy-in).
+def copy_in(slot: torch.Tensor, inputs: list[torch.Tensor], widths: list[int], dtypes: list[torch.dtype]) -> None:
+    """Lay the all-gather ``inputs`` back to back into ``slot`` (P,), each into ``widths[i]``
+    of the slot's units as ``dtypes[i]``: our input of an in-place all-gather (FSDP2's copy-in).
 
-    The slot is in the gather dtype. A shard of another dtype is cast element-wise on the
-    way (``param_dtype``), except into a byte slot (a mixed-dtype group gathered as is, see
-    layout.py), where its bytes are copied; either way it is moved to the slot's device.
+    A slot of one dtype casts each input element-wise on the way (``param_dtype``); a byte
+    slot (a group of mixed dtypes, see layout.py) takes each input's bytes, cast to its
+    row dtype first where mixed precision asks. Either way inputs move to the slot's device.
     """
-    flats = [_in_units_of(slot, s.reshape(-1)) for s in shards]
+    flats = [_in_row_units(slot, t.reshape(-1), d) for t, d in zip(inputs, dtypes)]
     if len(flats) == 1:
         slot.copy_(flats[0], non_blocking=True)
     elif all(f.dtype == slot.dtype and f.device == slot.device for f in flats):
@@ -66,10 +66,10 @@ def copy_in(slot: torch.Tensor, shards: list[torch.Tensor], widths: list[int]) -
         torch._foreach_copy_(list(slot.split(widths)), flats, non_blocking=True)
 
 
-def _in_units_of(slot: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """``flat`` as bytes when ``slot`` holds bytes of several dtypes, else as it is."""
+def _in_row_units(slot: torch.Tensor, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``flat`` as bytes of ``dtype`` when ``slot`` holds bytes of several dtypes, else as it is."""
     if slot.dtype == torch.uint8 and flat.dtype != torch.uint8:
-        return flat.view(torch.uint8)
+        return (flat if flat.dtype == dtype else flat.to(dtype)).view(torch.uint8)
     return flat
 
 
@@ -165,9 +165,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.Proces
     """
     n = dist.get_world_size(group)
     if not use_all_to_all_reduce(group):
-        comm_stats.record("reduce_scatter", _nbytes(input), n)
+        comm_stats.record("reduce_scatter", _nbytes(input), n, input.dtype)
         return _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    comm_stats.record("all_to_all", _nbytes(input), n)
+    comm_stats.record("all_to_all", _nbytes(input), n, input.dtype)
     handle = _all_to_all_reduce(output, input.view(n, -1), dist.get_rank(group), group)
     if async_op:
         return handle
@@ -252,7 +252,7 @@ def use_all_to_all_reduce(group: dist.ProcessGroup) -> bool:
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
     """SUM-all-reduce ``tensor`` in place."""
-    comm_stats.record("all_reduce", _nbytes(tensor), dist.get_world_size(group))
+    comm_stats.record("all_reduce", _nbytes(tensor), dist.get_world_size(group), tensor.dtype)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 

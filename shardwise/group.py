@@ -3,13 +3,17 @@
 One unshard is one all-gather for the whole group; one synced backward is one
 reduce-scatter (plus one all-reduce over the replicate dim for HSDP). The group owns:
 
-* the **all-gather**: every param's padded shard (each its own tensor, see param.py) is
-  copied into its segment of our rank's slot of the ``(N*P,)`` output, cast and moved on
-  the way, and gathered in place, as FSDP2 does. Where each segment lies is the group's
-  :class:`~shardwise.layout.FlatLayout` (params widest itemsize first, as bytes, when a
-  frozen low-precision base sits next to trainable fp32 adapters);
-* the **unsharded** buffer ``(N*P,)`` holding every param's gathered rows; unsharded params
-  alias it (with one shard and nothing to cast they alias the padded shards themselves).
+* the **all-gather**: every param's all-gather inputs (a plain param's padded shard, its
+  own tensor, see param.py; or what a tensor subclass's ``fsdp_pre_all_gather`` returned,
+  see tensor_extension.py) are copied into their segments of our rank's slot of the
+  ``(N*P,)`` output, cast and moved on the way, and gathered in place, as FSDP2 does.
+  Where each segment lies is the group's :class:`~shardwise.layout.FlatLayout` (widest
+  itemsize first, as bytes, when dtypes mix); a group with a subclass param is laid out
+  by its first unshard's inputs (and again if they ever change);
+* the **unsharded** buffer ``(N*P',)`` holding the plain params' gathered rows; unsharded
+  params alias it (with one shard and nothing to cast they alias the padded shards
+  themselves). A subclass param's rows land in output tensors its gather owns, which
+  ``fsdp_post_all_gather`` rebuilds the unsharded param from.
   Resharding frees its storage but keeps the tensor objects, so views autograd saved stay
   valid and are refilled by the next unshard;
 * for ``reshard_after_forward=k``, the **post-forward shard** ``(N/k*P,)`` kept between
@@ -30,11 +34,12 @@ import torch
 
 from shardwise import collectives, tracing
 from shardwise.faults import monitor
-from shardwise.layout import FlatLayout
+from shardwise.layout import FlatLayout, check_trainable_uniform
 from shardwise.mesh import MeshInfo, PostForwardGroup
 from shardwise.param import ShardedParam, ShardedState
 from shardwise.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shardwise.reduce import GradReducer
+from shardwise.tensor_extension import compute_dtype
 
 
 class TrainingState(enum.Enum):
@@ -67,11 +72,16 @@ class ParamGroup:
     sharded_state: ShardedState
     reducer: GradReducer
     post_forward: PostForwardGroup | None  # set for reshard_after_forward=int
-    _layout: FlatLayout  # where each param's padded shard lies in a rank's (P,) all-gather row
+    _layout: FlatLayout | None  # where each all-gather input lies in a rank's (P,) row; None until a
+    #                             subclass param's first inputs are known
+    _param_segments: list[range]  # per param: the indices of its all-gather inputs (segments)
+    _extended: tuple[ShardedParam, ...]  # params whose tensor subclass gathers through the extension
+    _own_outputs: tuple[torch.Tensor, ...]  # their output tensors (outside _unsharded_flat)
     _params_replaced: bool  # module._apply / load_state_dict(assign=True) replaced params: adopt lazily
-    _unsharded_flat: torch.Tensor | None  # (N*P,) in param dtype; storage empty while sharded
+    _unsharded_flat: torch.Tensor | None  # (N*P',) plain params' rows, row dtype; storage empty while sharded
     _aliased: bool  # shard size 1, nothing to cast or move: segments are the padded shards
-    _segments: list[torch.Tensor]  # per param (N*width,) views into _unsharded_flat, in gather units
+    _segments: list[torch.Tensor]  # per segment (N*width,) in row units: into _unsharded_flat, or an own output
+    _param_views: list[torch.Tensor | None]  # per param: a plain param's segment viewed in its dtype
     _post_forward_shard: torch.Tensor | None  # (N/k*P,) our block's share, between fwd and bwd
 
     def __init__(
@@ -95,9 +105,7 @@ class ParamGroup:
         self.post_forward = None
         self._pending_gather: _PendingGather | None = None
         self._gathered_version = -1  # the shards' version (_shard_version) when last gathered
-        self._unsharded_flat = None
-        self._aliased = False
-        self._segments = []
+        self._drop_unsharded_buffers()
         self._post_forward_shard = None
         # knobs the FSDPModule setters change
         self.reshard_after_forward: bool | int = True
@@ -108,9 +116,11 @@ class ParamGroup:
         self.allocate_from_process_group = False  # NCCL zero-copy staging; a no-op on gloo
         self.symm_mem = False  # NCCL symmetric-memory staging
         self._params_replaced = False
-        self._lay_out([o.dtype for o in originals])
+        names = [p.fqn for p in params]
+        check_trainable_uniform(names, [o.dtype for o in originals], [p.requires_grad for p in params])
         for p, original in zip(params, originals):
             p.init_sharded_param(p.local_chunk(original), self._storage_device(), self.pin_memory)
+        self._lay_out()
         self.reducer = GradReducer(self)
 
     def __repr__(self) -> str:
@@ -121,12 +131,40 @@ class ParamGroup:
 
     # ---- the sharded params -----------------------------------------------------------
 
-    def _lay_out(self, dtypes: list[torch.dtype]) -> None:
-        """Place the params in the all-gather row (:class:`~shardwise.layout.FlatLayout`);
-        torch's rule: only the trainable params must share one dtype."""
-        layout = FlatLayout.build([p.padded_numel for p in self.params], dtypes)
-        layout.check_trainable_uniform([p.fqn for p in self.params], [p.requires_grad for p in self.params])
-        self._layout = layout
+    def _lay_out(self) -> None:
+        """Place the params' all-gather inputs in the row (:class:`~shardwise.layout.FlatLayout`):
+        now when every param is plain (its padded shard is its input), else at the first
+        unshard, from the inputs the subclasses return (:meth:`_fit_layout`)."""
+        self._extended = tuple(p for p in self.params if p.gather.own_outputs)
+        self._signature: list | None = None
+        self._layout = None
+        if not self._extended:
+            self._fit_layout([(p.padded_shard,) for p in self.params])
+
+    def _fit_layout(self, per_param: list) -> None:
+        """Lay out ``per_param`` inputs unless the current layout already fits them (same
+        numels and dtypes); a new layout drops the unsharded buffers built for the old one."""
+        signature = [(t.numel(), t.dtype) for inputs in per_param for t in inputs]
+        if signature == self._signature:
+            return
+        numels, dtypes, segments = [], [], []
+        for p, inputs in zip(self.params, per_param):
+            segments.append(range(len(numels), len(numels) + len(inputs)))
+            numels += [t.numel() for t in inputs]
+            dtypes += [t.dtype if p.gather.own_outputs else compute_dtype(self.mp_policy, t.dtype) for t in inputs]
+        self._signature, self._param_segments = signature, segments
+        self._layout = FlatLayout.build(numels, dtypes)
+        self._drop_unsharded_buffers()
+
+    def _drop_unsharded_buffers(self) -> None:
+        """Forget the unsharded buffers and params; the next unshard builds them again."""
+        self._unsharded_flat = None
+        self._aliased = False
+        self._segments, self._param_views, self._own_outputs = [], [], ()
+        self._buffer_layout = None
+        for p in self.params:
+            p.unsharded_param = None
+            p.gather.reset()
 
     def _storage_device(self) -> torch.device:
         return torch.device("cpu") if self.offload else self.device
@@ -174,11 +212,8 @@ class ParamGroup:
             )
         for p, param in zip(self.params, held):
             p.adopt(param, self._storage_device(), self.pin_memory)
-            p.unsharded_param = None
-        self._lay_out([p.sharded_param.dtype for p in self.params])
-        self._unsharded_flat = None
-        self._aliased = False
-        self._segments = []
+        self._drop_unsharded_buffers()
+        self._lay_out()
         self._params_replaced = False
 
     def registered_params_replaced(self) -> bool:
@@ -186,10 +221,6 @@ class ParamGroup:
         return any(
             site.module._parameters.get(site.name) is not p.sharded_param for p in self.params for site in p.sites
         )
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return self.mp_policy.param_dtype or self.layout.storage_dtype
 
     @property
     def is_unsharded(self) -> bool:
@@ -206,61 +237,97 @@ class ParamGroup:
     def _aliases_shard(self) -> bool:
         """One shard of the whole params (world size 1, replicate) needing no cast or device
         copy: the unsharded params alias the padded shards, and nothing is copied or freed."""
-        return self.mesh_info.shard_size == 1 and all(
-            p.padded_shard.dtype == self.param_dtype and p.padded_shard.device == self.device and p.shard_dim == 0
-            for p in self.params
+        dtypes = self._layout.dtypes
+        return self.mesh_info.shard_size == 1 and not self._extended and all(
+            p.padded_shard.dtype == dtypes[i] and p.padded_shard.device == self.device and p.shard_dim == 0
+            for i, p in enumerate(self.params)
         )
 
     def _ensure_unsharded_buffer(self) -> None:
-        """Create the unsharded buffer and the params aliasing it (once; storage starts freed)."""
-        n = self.mesh_info.shard_size
-        if self._segments and self._segments[0].dtype == self.param_dtype:
+        """Create the unsharded buffers for the current layout and the plain params aliasing
+        them (once per layout; storage starts freed). Not before a layout exists."""
+        layout = self._layout
+        if layout is None or (self._segments and self._buffer_layout is layout):
             return
+        self._buffer_layout = layout
         self._aliased = self._aliases_shard
         if self._aliased:
             self._unsharded_flat = None
             self._segments = [p.padded_shard.view(-1) for p in self.params]
         else:
-            widths = self._gather_widths()
-            self._unsharded_flat = torch.empty(n * sum(widths), dtype=self.param_dtype, device=self.device)
-            pieces = self._unsharded_flat.split(self._in_gather_order([n * w for w in widths]))
-            self._segments = [None] * len(self.params)
-            for i, piece in zip(self._layout.order, pieces):
-                self._segments[i] = piece
-        for i, (p, segment) in enumerate(zip(self.params, self._segments)):
-            p.init_unsharded_param(self._layout.as_param(segment, i))
+            self._segments = self._new_segments(layout, self.mesh_info.shard_size)
+        self._param_views = [
+            None if p.gather.own_outputs else layout.as_param(self._segments[segs[0]], segs[0])
+            for p, segs in zip(self.params, self._param_segments)
+        ]
+        for p, view in zip(self.params, self._param_views):
+            if view is not None:
+                p.init_unsharded_param(view)
         if self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
 
-    def _gather_widths(self) -> tuple[int, ...]:
-        """Each param's length in one rank's all-gather row (param_dtype units)."""
-        return self.layout.gather_widths(self.param_dtype)
+    def _new_segments(self, layout: FlatLayout, n: int) -> list[torch.Tensor]:
+        """Per segment, where its N gathered rows land: the plain params' in one buffer (in
+        row order), a subclass param's in output tensors its gather owns."""
+        segments: list = [None] * len(layout.widths)
+        owned = {j for p, segs in zip(self.params, self._param_segments) if p.gather.own_outputs for j in segs}
+        plain = [j for j in layout.order if j not in owned]
+        self._unsharded_flat = None
+        if plain:
+            widths = [n * layout.widths[j] for j in plain]
+            self._unsharded_flat = torch.empty(sum(widths), dtype=layout.storage_dtype, device=self.device)
+            for j, piece in zip(plain, self._unsharded_flat.split(widths)):
+                segments[j] = piece
+        outputs = []
+        for p, segs in zip(self.params, self._param_segments):
+            if p.gather.own_outputs:
+                dtype = compute_dtype(self.mp_policy, p.sharded_param.dtype)
+                outs = p.gather.allocate_outputs([layout.numels[j] for j in segs], [layout.dtypes[j] for j in segs],
+                                                 n, self.device, dtype)
+                outputs += outs
+                for j, out in zip(segs, outs):
+                    segments[j] = layout.as_row(out)
+        self._own_outputs = tuple(outputs)
+        return segments
 
-    def _in_gather_order(self, per_param: list) -> list:
-        return [per_param[i] for i in self._layout.order]
+    def _in_gather_order(self, per_segment: list) -> list:
+        return [per_segment[i] for i in self._layout.order]
 
     def _allocate_unsharded_storage(self) -> None:
         """Give the unsharded buffer its bytes — as late as possible: at copy-out, so an
         in-flight all-gather never holds its output and the unsharded copy at once."""
-        storage = self._unsharded_flat.untyped_storage()
-        if storage.size() == 0:
-            storage.resize_(self._unsharded_flat.numel() * self._unsharded_flat.element_size())
+        if self._unsharded_flat is not None:
+            storage = self._unsharded_flat.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(self._unsharded_flat.numel() * self._unsharded_flat.element_size())
+        for p in self._extended:
+            p.gather.alloc()
 
     def _gather_io(self) -> tuple[torch.Tensor, torch.Tensor, object, int]:
         """(output, input, process group, ranks) of the next all-gather. From the full shards:
-        every param's padded shard is copied (cast to ``param_dtype``, moved to the device)
-        into its layout segment of our rank's slot of the output, which is the input
-        (gathered in place, as FSDP2 does). After an int reshard: from the post-forward
-        shard, over the block of k ranks."""
+        every param's all-gather inputs are copied (cast to their row dtype, moved to the
+        device) into their layout segments of our rank's slot of the output, which is the
+        input (gathered in place, as FSDP2 does). After an int reshard: from the
+        post-forward shard, over the block of k ranks."""
         if self._post_forward_shard is not None:
             pf = self.post_forward
             return self._gather_output(pf.size), self._post_forward_shard, pf.group, pf.size
-        n = self.mesh_info.shard_size
+        inputs = self._gather_inputs()
+        self._ensure_unsharded_buffer()
+        n, layout = self.mesh_info.shard_size, self._layout
         gathered = self._gather_output(n)
         slot = gathered.view(n, -1)[self.mesh_info.shard_rank]  # (P,)
-        shards = self._in_gather_order([p.padded_shard for p in self.params])
-        collectives.copy_in(slot, shards, self._in_gather_order(list(self._gather_widths())))
+        collectives.copy_in(slot, self._in_gather_order(inputs), layout.row_widths, layout.row_dtypes)
         return gathered, slot, self.mesh_info.shard_group, n
+
+    def _gather_inputs(self) -> list[torch.Tensor]:
+        """This unshard's all-gather inputs, in segment order (each param's, in param order,
+        as torch calls ``fsdp_pre_all_gather``); a group with subclass params fits its
+        layout to them."""
+        per_param = [p.gather.inputs(p, self.mp_policy, self.device) for p in self.params]
+        if self._extended:
+            self._fit_layout(per_param)
+        return [t for inputs in per_param for t in inputs]
 
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the group's params (idempotent); ``wait_for_unshard`` finishes it.
@@ -328,11 +395,13 @@ class ParamGroup:
         gather's: one param gathered over all N ranks (N rows of it), or a shard size of 1
         (the one row is every param back to back, in gather order: a cast and a device move,
         nothing to copy out); else in a buffer of its own, copied out at the wait."""
-        direct = n == self.mesh_info.shard_size and (len(self.params) == 1 or n == 1)
+        single = len(self._segments) == 1
+        direct = n == self.mesh_info.shard_size and (single or (n == 1 and not self._extended))
         if direct and isinstance(self.all_gather_comm, collectives.DefaultAllGather):
             self._allocate_unsharded_storage()
-            return self._segments[0] if len(self.params) == 1 else self._unsharded_flat
-        return self.all_gather_comm.allocate((self._unsharded_flat.numel(),), dtype=self.param_dtype, device=self.device)
+            return self._segments[0] if single else self._unsharded_flat
+        size = self.mesh_info.shard_size * self._layout.total
+        return self.all_gather_comm.allocate((size,), dtype=self._layout.storage_dtype, device=self.device)
 
     def _lands_unsharded(self, gathered: torch.Tensor) -> bool:
         """Whether ``gathered`` is the unsharded buffer itself (see :meth:`_gather_output`)."""
@@ -354,16 +423,27 @@ class ParamGroup:
             tracing.wait(pending.work, "all_gather", self.fqn, self.training_state.value)
         if not self._lands_unsharded(pending.gathered):
             self._allocate_unsharded_storage()
-            n = pending.num_shards
-            rows = self.mesh_info.shard_size // n  # N/k rows of each param per rank after an int reshard
-            sizes = self._in_gather_order([rows * w for w in self._gather_widths()])
-            collectives.copy_out(pending.gathered, n, sizes, self._in_gather_order(self._segments))
+            self._copy_out(pending)
         for buffer in pending.scratch:
             collectives.free_storage(buffer)
         self._post_forward_shard = None
-        for i, (p, segment) in enumerate(zip(self.params, self._segments)):
-            p.finish_copy_out(self._layout.as_param(segment, i))
+        for p, view in zip(self.params, self._param_views):
+            p.gather.finish(p, view)
         self._register_unsharded()
+
+    def _copy_out(self, pending: _PendingGather) -> None:
+        n = pending.num_shards
+        rows = self.mesh_info.shard_size // n  # N/k rows of each param per rank after an int reshard
+        sizes = [rows * w for w in self._layout.row_widths]
+        targets = self._in_gather_order(self._segments)
+        outputs = tuple(t for t in self._own_outputs if not t.is_inference())
+        if not outputs:
+            collectives.copy_out(pending.gathered, n, sizes, targets)
+            return
+        # A subclass's rebuilt tensor may view its outputs (autograd saved it): refilling
+        # them is the same parameter again, not an in-place change (as in torch).
+        with torch.autograd._unsafe_preserve_version_counter(outputs):
+            collectives.copy_out(pending.gathered, n, sizes, targets)
 
     def _register_unsharded(self) -> None:
         for p in self.params:
@@ -388,6 +468,8 @@ class ParamGroup:
         for p in self.params:
             p.register_sharded()
             p.free_own_unsharded()
+        for p in self._extended:
+            p.gather.free()
         if self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
         self._emit("reshard")
@@ -400,6 +482,13 @@ class ParamGroup:
         if policy is True or self.post_forward is None:
             self.reshard()
             return
+        if self._extended:
+            raise NotImplementedError(
+                f"reshard_after_forward={policy} on {self.fqn or 'the root module'}: parameters "
+                f"{[p.fqn for p in self._extended]} gather through fsdp_pre_all_gather, which has no smaller "
+                "post-forward shard to gather from (torch's FSDP2 raises NotImplementedError too); "
+                "use reshard_after_forward=True or False for this module"
+            )
         k, j = self.post_forward.size, self.post_forward.rank
         pieces = [segment.view(k, -1)[j] for segment in self._in_gather_order(self._segments)]  # each (N/k*w,)
         self._post_forward_shard = torch.cat(pieces)  # (N/k*P,)

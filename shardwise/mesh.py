@@ -56,6 +56,15 @@ class MeshInfo:
         return 1 if self.replicate_mesh_dim is None else self.mesh.size(self.replicate_mesh_dim)
 
     @functools.cached_property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the shard dim (the whole mesh when it is 1-D): what a tensor
+        subclass's ``fsdp_pre_all_gather`` receives, as in torch."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        dim = self.mesh.ndim - 1 if self.shard_mesh_dim is None else self.shard_mesh_dim
+        return self.mesh[self.mesh.mesh_dim_names[dim]]
+
+    @functools.cached_property
     def device(self) -> torch.device:
         return device_of_mesh(self.mesh)
 

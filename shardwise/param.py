@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from shardwise import tensor_extension
 from shardwise.mesh import MeshInfo
 
 
@@ -78,7 +79,8 @@ class ShardedParam:
     padded_rows: int  # rows of one padded shard on shard_dim
     local_size: torch.Size  # this rank's real shard shape (0 rows possible)
     padded_numel: int  # numel of one padded shard (same on every rank)
-    padded_shard: torch.Tensor  # (padded_rows, *rest) on dim d; own storage, original dtype, host when offloaded
+    padded_shard: torch.Tensor  # (padded_rows, *rest) on dim d; own storage, original dtype and type, host when offloaded
+    gather: tensor_extension.ParamGather  # what the tensor type all-gathers and how it is rebuilt
     sharded_param: nn.Parameter  # DTensor over padded_shard's real rows; the object the optimizer holds
     unsharded_param: torch.Tensor | None  # plain leaf tensor aliasing the group's unsharded buffer
     unsharded_accumulated_grad: torch.Tensor | None  # grads kept while gradient sync is off
@@ -97,9 +99,16 @@ class ShardedParam:
         self.orig_size = param.size()
         self.orig_stride = _contiguous_stride(param.shape)
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
-        local = param.to_local() if isinstance(param, DTensor) else param
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        self.gather = tensor_extension.gather_for(local, self._where())
         self.unsharded_size = local.size()
         self.shard_dim = shard_dim
+        if shard_dim != 0 and self.gather.own_outputs:
+            raise NotImplementedError(
+                f"shard_placement_fn returned Shard({shard_dim}) for parameter {self._where()}, a "
+                f"{type(local).__qualname__} that gathers through fsdp_pre_all_gather: shardwise rebuilds such "
+                "a parameter from Shard(0) only; return Shard(0) for it"
+            )
         self.num_shards = mesh_info.shard_size
         self._init_shape(local, mesh_info.shard_rank)
         self._spmd_mesh, self._placements = spmd_layout(mesh_info, self.tp_spec, shard_dim, sites[0].name)
@@ -134,12 +143,23 @@ class ShardedParam:
     # ---- the sharded side -------------------------------------------------------------
 
     def local_chunk(self, param: torch.Tensor) -> torch.Tensor:
-        """This rank's unpadded chunk of ``param`` (a plain tensor or a DTensor's local part)."""
-        data = param.to_local() if isinstance(param, DTensor) else param
-        start = self.mesh_info.shard_rank * self.padded_rows
-        length = self.local_size[self.shard_dim]
-        start = min(start, data.size(self.shard_dim))
-        return data.detach().narrow(self.shard_dim, start, length)
+        """This rank's unpadded chunk of ``param`` (a plain tensor or a DTensor's local part),
+        as ``torch.chunk`` gives it: a tensor subclass keeps its type."""
+        data = param._local_tensor if isinstance(param, DTensor) else param
+        return tensor_extension.chunk_for_rank(
+            data.detach(), self.num_shards, self.shard_dim, self.mesh_info.shard_rank, self._where()
+        )
+
+    def _where(self) -> str:
+        site = self.sites[0]
+        return f"{self.fqn!r} of {type(site.module).__name__}"
+
+    def shard_mesh(self):
+        """The mesh dim this param is sharded over (the extension's ``mesh`` argument)."""
+        return self.mesh_info.shard_mesh
+
+    def padded_shard_size(self) -> torch.Size:
+        return self._padded_shape
 
     def shard_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
         """The real (unpadded) rows of a padded segment (a reduced gradient buffer), as a view."""
@@ -162,15 +182,9 @@ class ShardedParam:
         self.register_sharded()
 
     def _new_padded_shard(self, chunk: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:
-        """A zero-padded ``(padded_rows, *rest)`` tensor of its own holding ``chunk``'s rows."""
-        device = chunk.device if chunk.is_meta else device
-        padded = torch.zeros(self._padded_shape, dtype=chunk.dtype, device=device)
-        if pin_memory and not padded.is_meta:
-            padded = padded.pin_memory()
-        if not padded.is_meta:
-            with torch.no_grad():
-                padded.narrow(self.shard_dim, 0, chunk.size(self.shard_dim)).copy_(chunk)
-        return padded
+        """A zero-padded ``(padded_rows, *rest)`` tensor of its own (and ``chunk``'s type)
+        holding ``chunk``'s rows."""
+        return tensor_extension.new_padded(chunk, self._padded_shape, self.shard_dim, device, pin_memory)
 
     def _real_rows(self) -> torch.Tensor:
         """The padded shard's real rows: the DTensor's local tensor (storage offset 0)."""
@@ -189,6 +203,7 @@ class ShardedParam:
         """
         self.check_adoptable(param)
         local = param._local_tensor
+        self.gather = tensor_extension.gather_for(local, self._where())
         if self._owns_padded_storage(local, device, pin_memory):
             padded = local.new_empty(0).set_(local.untyped_storage(), 0, self._padded_shape)
         else:
@@ -200,7 +215,7 @@ class ShardedParam:
         self.register_sharded()
 
     def _owns_padded_storage(self, local: torch.Tensor, device: torch.device, pin_memory: bool) -> bool:
-        if local.is_meta:
+        if local.is_meta or type(local) is not torch.Tensor:  # a subclass is padded again, as torch does
             return False
         return (
             local.device == device
@@ -276,6 +291,15 @@ class ShardedParam:
         tensor = torch.empty(0, dtype=gathered.dtype, device=gathered.device)
         size = self.unsharded_size
         tensor.set_(source.untyped_storage(), source.storage_offset(), size, _contiguous_stride(size))
+        self._register_unsharded_tensor(tensor)
+
+    def set_unsharded(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` (what a tensor subclass's ``fsdp_post_all_gather`` rebuilt) the
+        unsharded parameter, viewed in the unsharded shape as torch does."""
+        size = self.unsharded_size
+        self._register_unsharded_tensor(torch.as_strided(tensor, size, _contiguous_stride(size), 0))
+
+    def _register_unsharded_tensor(self, tensor: torch.Tensor) -> None:
         if self.tp_spec is not None:  # the unsharded param is the TP DTensor again
             meta = TensorMeta(self.orig_size, self.orig_stride, tensor.dtype)
             spec = DTensorSpec(self.tp_spec.mesh, self.tp_spec.placements, tensor_meta=meta)
