@@ -16,7 +16,8 @@ Both build on FSDP2's tensor-subclass extension (``fsdp_pre_all_gather`` /
 Each case trains shardwise and torch side by side from the same model and data, bit for
 bit at every step: losses, every parameter's type chain (``DTensor`` around the subclass)
 and inner tensors, every gradient; and what each rank all-gathers (the subclass's inputs
-in bytes per dtype, and the all-gather payload at the dispatcher).
+in bytes per dtype, and the all-gather payload at the dispatcher); at the end the
+``state_dict()`` values (the subclass kept, as in torch).
 
 Before the extension, shardwise turned each subclass weight into a plain tensor at
 ``fully_shard`` and trained an fp32 model instead (BitNet's loss was off from step 0,
@@ -43,7 +44,7 @@ from torchao.prototype.quantized_training import (
 from torchao.quantization import quantize_
 
 import shardwise
-from _lowprec_helpers import GatherInputs, assert_same_params, rank_generator
+from _lowprec_helpers import GatherInputs, assert_same, assert_same_params, rank_generator
 from shardwise.testing import run_on_ranks
 
 TIMEOUT = 120
@@ -114,6 +115,10 @@ def _parity(kind: str, param_dtype, precompute: bool) -> list[dict]:
         assert ours_tally == theirs_tally, f"{where}, step {step}: all-gathered {ours_tally} vs torch's {theirs_tally}"
         assert_same_params(ours, theirs, f"{where}, step {step}")
         tallies.append(theirs_tally)
+    sd, sd_t = ours.state_dict(), theirs.state_dict()
+    assert list(sd) == list(sd_t), f"{where}: state_dict keys {list(sd)} vs torch's {list(sd_t)}"
+    for key in sd:  # the subclass is kept in state_dict() values
+        assert_same(sd[key], sd_t[key], f"{where}: state_dict()[{key!r}]")
     return tallies
 
 

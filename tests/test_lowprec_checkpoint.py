@@ -10,7 +10,8 @@ Two models, each trained by shardwise and by torch's FSDP2 side by side (2 gloo 
 
 Checked, every value bit for bit against torch's:
 
-1. ``state_dict()``: the same keys, each value the same type chain (``DTensor`` around the
+1. ``state_dict()`` after two steps (each step's losses, parameters, gradients and
+   all-gathered bytes by dtype equal to torch's): the same keys, each value the same type chain (``DTensor`` around the
    subclass), placements and inner tensors.
 2. DCP: ``get_state_dict`` of model and optimizer, ``dcp.save``; a fresh model (other seed)
    loads it (``dcp.load`` + ``set_state_dict``) and trains on in lockstep with the run that
@@ -26,7 +27,10 @@ Checked, every value bit for bit against torch's:
    ``fsdp_post_all_gather`` and ``full_tensor()`` for the rest; loading by re-quantizing
    (``to_nf4``), ``torch.chunk`` + ``new_zeros`` + ``copy_`` into a ``DTensor`` built on the
    sharded parameter's spec, ``distribute_tensor`` for the rest, and
-   ``load_state_dict(assign=True)``. The reloaded models then train on in lockstep.
+   ``load_state_dict(assign=True, strict=False)``, into a model built and sharded on the
+   meta device with its LoRA modules materialized by ``to_empty`` (the QLoRA recipe's
+   order: adapters loaded, then the base model). The reloaded models then train on in
+   lockstep.
 """
 
 from __future__ import annotations
@@ -42,11 +46,12 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 from torchao.quantization import NF4Tensor, to_nf4
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
 
 import shardwise
-from _lowprec_helpers import assert_same, assert_same_params, rank_generator
+from _lowprec_helpers import GatherInputs, assert_same, assert_same_params, rank_generator
 from shardwise.testing import run_on_ranks
 
 TIMEOUT = 120
@@ -94,35 +99,43 @@ def _pair(kind: str, seed: int = 0) -> tuple[nn.Module, nn.Module]:
     return _shard(_build(kind, seed), shardwise.fully_shard), _shard(_build(kind, seed), torch_fully_shard)
 
 
-def _train_in_lockstep(models, opts, gen, steps: int, where: str) -> None:
-    """Step every model on the same batch; each must equal the last (torch's) bit for bit."""
+def _train_in_lockstep(models, opts, gen, steps: int, where: str) -> list[dict]:
+    """Step every model on the same batch; each must equal the last (torch's) bit for bit,
+    in what it all-gathered too. Returns torch's all-gather tally of each step."""
     dtype = BF16 if isinstance(models[0][0], QLoRALinear) else torch.float32
+    tallies = []
     for step in range(steps):
         x = torch.randn(8, DIM, generator=gen).to(dtype)
-        losses = []
+        losses, gathered = [], []
         for model, opt in zip(models, opts):
-            loss = model(x).float().pow(2).mean()
-            loss.backward()
+            with GatherInputs(WeightWithDynamicFloat8CastTensor, NF4Tensor) as counted:
+                loss = model(x).float().pow(2).mean()
+                loss.backward()
             opt.step()
             losses.append(loss.detach())
+            gathered.append(counted.summary())
         for i, model in enumerate(models[:-1]):
             at = f"{where}, step {step}, model {i}"
             assert torch.equal(losses[i], losses[-1]), f"{at}: loss {losses[i].item()} vs torch's {losses[-1].item()}"
+            assert gathered[i] == gathered[-1], f"{at}: all-gathered {gathered[i]} vs torch's {gathered[-1]}"
             assert_same_params(model, models[-1], at)
         for opt in opts:
             opt.zero_grad()
+        tallies.append(gathered[-1])
+    return tallies
 
 
 # ---------------------------------------------------------------- state_dict()
 
 
-def _state_dict_values(kind: str) -> None:
+def _state_dict_values(kind: str) -> list[dict]:
     ours, theirs = _pair(kind)
-    _train_in_lockstep([ours, theirs], [_optimizer(ours), _optimizer(theirs)], rank_generator(), 1, kind)
+    tallies = _train_in_lockstep([ours, theirs], [_optimizer(ours), _optimizer(theirs)], rank_generator(), 2, kind)
     sd, sd_t = ours.state_dict(), theirs.state_dict()
     assert list(sd) == list(sd_t), f"{kind}: state_dict keys {list(sd)} vs torch's {list(sd_t)}"
     for key in sd:
         assert_same(sd[key], sd_t[key], f"{kind}: state_dict()[{key!r}]")
+    return tallies
 
 
 @pytest.mark.parametrize("kind", ["float8", "qlora"])
@@ -200,10 +213,11 @@ def _gather_nf4(sharded: DTensor) -> NF4Tensor:
 
 def _load_full(model: nn.Module, full_sd: dict[str, torch.Tensor]) -> None:
     """torchtune's ``load_from_full_model_state_dict`` (the NF4 branch it always takes when
-    the model has an NF4 parameter)."""
+    the model has an NF4 parameter): ``strict=False``, the keys given only."""
     sharded_sd = {}
+    current = model.state_dict()
     for name, full in full_sd.items():
-        meta = model.state_dict()[name]
+        meta = current[name]
         full = full.to(meta.dtype)
         if isinstance(meta._local_tensor, NF4Tensor):
             local = meta._local_tensor
@@ -217,7 +231,18 @@ def _load_full(model: nn.Module, full_sd: dict[str, torch.Tensor]) -> None:
         else:
             value = distribute_tensor(full, meta.device_mesh, meta.placements)
         sharded_sd[name] = nn.Parameter(value, requires_grad=meta.requires_grad)
-    model.load_state_dict(sharded_sd, strict=True, assign=True)
+    missing, unexpected = model.load_state_dict(sharded_sd, strict=False, assign=True)
+    assert not unexpected and set(missing) == set(current) - set(full_sd), (missing, unexpected)
+
+
+def _meta_model(fully_shard_fn) -> nn.Module:
+    """torchtune's QLoRA recipe: the model is built on the meta device (NF4 included) and
+    sharded there; the LoRA modules are materialized with ``to_empty`` before the loads."""
+    with torch.device("meta"):
+        model = _shard(_build("qlora"), fully_shard_fn)
+    for block in model:
+        block.to_empty(device="cpu")
+    return model
 
 
 def _torchtune_round_trip() -> None:
@@ -228,11 +253,11 @@ def _torchtune_round_trip() -> None:
     assert list(full) == list(full_t), f"full state dict keys {list(full)} vs torch's {list(full_t)}"
     for key in full:
         assert_same(full[key], full_t[key], f"full state dict[{key!r}]")
-    ours_back, theirs_back = _pair("qlora", seed=1)
-    for model in (ours_back, theirs_back):
-        _load_full(model, full_t)
-    assert_same_params(ours_back, theirs_back, "qlora after load_from_full_model_state_dict", grads=False)
-    models = [ours_back, theirs_back]
+    models = [_meta_model(shardwise.fully_shard), _meta_model(torch_fully_shard)]
+    for model in models:  # the recipe loads the adapters, then the base model
+        _load_full(model, {k: v for k, v in full_t.items() if "lora" in k})
+        _load_full(model, {k: v for k, v in full_t.items() if "lora" not in k})
+    assert_same_params(*models, "qlora after load_from_full_model_state_dict", grads=False)
     _train_in_lockstep(models, [_optimizer(m) for m in models], gen, 2, "qlora after load")
 
 
