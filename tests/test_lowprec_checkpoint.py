@@ -75,10 +75,22 @@ class QLoRALinear(nn.Module):
         return linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x))
 
 
+class QLoRABlock(nn.Module):
+    """A sharded unit holding two QLoRA projections (torchtune shards its transformer layers,
+    which hold the LoRALinear modules)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = QLoRALinear(), QLoRALinear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.o(F.relu(self.q(x)))
+
+
 def _build(kind: str, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     if kind == "qlora":
-        return nn.Sequential(QLoRALinear(), QLoRALinear())
+        return nn.Sequential(QLoRABlock(), QLoRABlock())
     model = nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
     return convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
 
@@ -102,7 +114,7 @@ def _pair(kind: str, seed: int = 0) -> tuple[nn.Module, nn.Module]:
 def _train_in_lockstep(models, opts, gen, steps: int, where: str) -> list[dict]:
     """Step every model on the same batch; each must equal the last (torch's) bit for bit,
     in what it all-gathered too. Returns torch's all-gather tally of each step."""
-    dtype = BF16 if isinstance(models[0][0], QLoRALinear) else torch.float32
+    dtype = BF16 if isinstance(models[0][0], QLoRABlock) else torch.float32
     tallies = []
     for step in range(steps):
         x = torch.randn(8, DIM, generator=gen).to(dtype)
@@ -237,11 +249,14 @@ def _load_full(model: nn.Module, full_sd: dict[str, torch.Tensor]) -> None:
 
 def _meta_model(fully_shard_fn) -> nn.Module:
     """torchtune's QLoRA recipe: the model is built on the meta device (NF4 included) and
-    sharded there; the LoRA modules are materialized with ``to_empty`` before the loads."""
+    sharded there; the LoRA modules (inside the sharded blocks) are materialized with
+    ``to_empty`` before the loads."""
     with torch.device("meta"):
         model = _shard(_build("qlora"), fully_shard_fn)
-    for block in model:
-        block.to_empty(device="cpu")
+    for module in model.modules():
+        if isinstance(module, QLoRALinear):
+            module.to_empty(device="cpu")
+    assert not any(p.is_meta for p in model.parameters()), "a parameter left on meta"
     return model
 
 
