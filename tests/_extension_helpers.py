@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections import Counter
 from typing import Callable
 from unittest import mock
@@ -40,6 +41,7 @@ class Case:
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool | int | None = None
     after_step: Callable[[nn.Module], None] | None = None  # e.g. precompute_float8_dynamic_scale_for_fsdp
+    configure: Callable[[nn.Module], None] | None = None  # after sharding, on both (set_* knobs)
     offload: bool = False  # CPUOffloadPolicy(pin_memory=False)
     shard_kwargs: dict = dataclasses.field(default_factory=dict)  # the same for both (mesh=...)
 
@@ -59,7 +61,10 @@ def _shard(case: Case, model: nn.Module, fully_shard, policies) -> nn.Module:
         kwargs["reshard_after_forward"] = case.reshard_after_forward
     for unit in case.shard_units(model):
         fully_shard(unit, **kwargs)
-    return fully_shard(model, **kwargs)
+    model = fully_shard(model, **kwargs)
+    if case.configure is not None:
+        case.configure(model)
+    return model
 
 
 @contextlib.contextmanager
@@ -111,6 +116,23 @@ def side_by_side(case: Case, counter: Callable[[], int]) -> tuple[nn.Module, nn.
         assert step_tallies[0] == step_tallies[1], f"{where}: ours {step_tallies[0]} vs torch {step_tallies[1]}"
         tallies.append(tuple(step_tallies))
     return ours, theirs, tallies
+
+
+def side_by_side_counting(case: Case, cls: type) -> tuple[nn.Module, list[tuple[int, dict]]]:
+    """:func:`side_by_side`, counting ``cls.fsdp_pre_all_gather`` calls (patched for the run;
+    the signature torch and shardwise inspect stays the original's). Returns our model and
+    our per-step ``(pre-all-gather calls, all-gather bytes by dtype)``, equal to torch's."""
+    calls = [0]
+    real = cls.fsdp_pre_all_gather
+
+    @functools.wraps(real)
+    def counting(tensor, *args):
+        calls[0] += 1
+        return real(tensor, *args)
+
+    with mock.patch.object(cls, "fsdp_pre_all_gather", counting):
+        ours, _, tallies = side_by_side(case, lambda: calls[0])
+    return ours, [(t.pre_all_gather_calls, dict(t.gathered)) for t, _ in tallies]
 
 
 def assert_same_params(ours: nn.Module, theirs: nn.Module, where: str, grads: bool = False) -> None:

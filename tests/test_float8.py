@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import shardwise
 from shardwise.testing import run_on_ranks
-from tests._extension_helpers import Case, side_by_side
+from tests._extension_helpers import Case, side_by_side_counting
 
 TIMEOUT = 180
 BF16 = torch.bfloat16
@@ -64,24 +64,6 @@ def _build() -> nn.Module:
     return convert_to_float8_training(Model(), config=config)
 
 
-class _PreAllGatherCount:
-    """Counts ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` calls (patched)."""
-
-    def __init__(self):
-        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
-
-        self.calls, self._cls, self._real = 0, Weight, Weight.fsdp_pre_all_gather
-
-        def counting(tensor, mesh):
-            self.calls += 1
-            return self._real(tensor, mesh)
-
-        Weight.fsdp_pre_all_gather = counting
-
-    def restore(self):
-        self._cls.fsdp_pre_all_gather = self._real
-
-
 def _float8(param_dtype, precompute: bool, reshard_after_forward) -> list:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
@@ -97,17 +79,13 @@ def _float8(param_dtype, precompute: bool, reshard_after_forward) -> list:
         after_step=precompute_float8_dynamic_scale_for_fsdp if precompute else None,
         steps=3,
     )
-    count = _PreAllGatherCount()
-    try:
-        ours, _, tallies = side_by_side(case, lambda: count.calls)
-    finally:
-        count.restore()
+    ours, per_step = side_by_side_counting(case, WeightWithDynamicFloat8CastTensor)
     for name, p in ours.named_parameters():
         if name.endswith("weight"):
             assert type(p.to_local()) is WeightWithDynamicFloat8CastTensor, f"{name}: {type(p.to_local())}"
     sd = ours.state_dict()
     assert all(type(sd[k].to_local()) is WeightWithDynamicFloat8CastTensor for k in sd if k.endswith("weight"))
-    return [(ours_tally.pre_all_gather_calls, dict(ours_tally.gathered)) for ours_tally, _ in tallies]
+    return per_step
 
 
 def _gathered_bytes(param_dtype, reshard_after_forward: bool) -> int:

@@ -188,6 +188,23 @@ def _checkpointing_and_offload(kind_name: str) -> None:
     side_by_side(_case(kind, offload=True), lambda: CALLS["pre"])
 
 
+def _explicit_prefetch(model: nn.Module) -> None:
+    first, second = model.layers
+    model.set_modules_to_forward_prefetch([first])
+    first.set_modules_to_forward_prefetch([second])
+    second.set_modules_to_backward_prefetch([first])
+
+
+def _prefetch(kind_name: str) -> None:
+    kind = {"one": OneInput, "two": TwoInputs}[kind_name]
+    side_by_side(_case(kind, configure=_explicit_prefetch), lambda: CALLS["pre"])
+
+
+@pytest.mark.parametrize("kind_name", ["one", "two"])
+def test_custom_subclass_with_explicit_prefetch(kind_name):
+    run_on_ranks(_prefetch, 2, kind_name, timeout=TIMEOUT)
+
+
 @pytest.mark.parametrize("kind_name", ["one", "two"])
 def test_custom_subclass_with_checkpointing_and_offload(kind_name):
     run_on_ranks(_checkpointing_and_offload, 2, kind_name, timeout=TIMEOUT)
