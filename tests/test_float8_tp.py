@@ -44,7 +44,7 @@ from _nd_helpers import make_mesh
 from shardwise.testing import run_on_ranks
 
 TIMEOUT = 240
-STEPS = 3
+STEPS = 2  # step 0 casts with a fresh amax (or none precomputed yet); step 1 reuses the rebuilt weight (out=)
 DIM, HIDDEN = 32, 64  # float8 matmuls want multiples of 16; TP splits HIDDEN
 BF16 = torch.bfloat16
 
