@@ -54,7 +54,8 @@ def assert_same(ours: torch.Tensor, theirs: torch.Tensor, where: str) -> None:
     """Same subclass chain, dtype and shape, and bit-equal inner tensors."""
     assert type_chain(ours) == type_chain(theirs), f"{where}: type {type_chain(ours)} vs torch's {type_chain(theirs)}"
     if isinstance(ours, DTensor):
-        assert ours.placements == theirs.placements, f"{where}: placements {ours.placements} vs torch's {theirs.placements}"
+        placements = (ours.placements, theirs.placements)
+        assert placements[0] == placements[1], f"{where}: placements {placements[0]} vs torch's {placements[1]}"
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (
         f"{where}: {ours.dtype} {tuple(ours.shape)} vs torch's {theirs.dtype} {tuple(theirs.shape)}"
     )
@@ -71,7 +72,8 @@ def assert_same_params(ours, theirs, where: str, grads: bool = True) -> None:
         assert name == name_t, f"{where}: parameter order {name} vs torch's {name_t}"
         assert_same(p, q, f"{where}: {name}")
         if grads:
-            assert (p.grad is None) == (q.grad is None), f"{where}: {name}.grad {p.grad is None} vs torch {q.grad is None}"
+            has = (p.grad is not None, q.grad is not None)
+            assert has[0] == has[1], f"{where}: {name} has a grad: {has[0]}, torch's: {has[1]}"
             if p.grad is not None:
                 assert_same(p.grad, q.grad, f"{where}: {name}.grad")
 

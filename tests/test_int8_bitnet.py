@@ -122,17 +122,15 @@ def _parity(kind: str, param_dtype, precompute: bool) -> list[dict]:
     return tallies
 
 
-CASES = [
-    ("int8", None, False),
-    ("int8", BF16, False),
-    ("bitnet", None, False),  # the scale is all-reduced inside fsdp_pre_all_gather
-    ("bitnet", None, True),  # precompute_bitnet_scale_for_fsdp before each step
-    ("bitnet", BF16, True),
-]
+CASES = {
+    "int8-fp32": ("int8", None, False),
+    "int8-bf16": ("int8", BF16, False),
+    "bitnet-fp32": ("bitnet", None, False),  # the scale is all-reduced inside fsdp_pre_all_gather
+    "bitnet-fp32-precompute": ("bitnet", None, True),  # precompute_bitnet_scale_for_fsdp before each step
+    "bitnet-bf16-precompute": ("bitnet", BF16, True),
+}
 
 
-@pytest.mark.parametrize(
-    "kind, param_dtype, precompute", CASES, ids=["int8-fp32", "int8-bf16", "bitnet-fp32", "bitnet-fp32-precompute", "bitnet-bf16-precompute"]
-)
+@pytest.mark.parametrize("kind, param_dtype, precompute", CASES.values(), ids=CASES.keys())
 def test_quantized_training_matches_torch(kind, param_dtype, precompute):
     run_on_ranks(_parity, 2, kind, param_dtype, precompute, timeout=TIMEOUT)

@@ -11,8 +11,8 @@ Two models, each trained by shardwise and by torch's FSDP2 side by side (2 gloo 
 Checked, every value bit for bit against torch's:
 
 1. ``state_dict()`` after two steps (each step's losses, parameters, gradients and
-   all-gathered bytes by dtype equal to torch's): the same keys, each value the same type chain (``DTensor`` around the
-   subclass), placements and inner tensors.
+   all-gathered bytes by dtype equal to torch's): the same keys, each value the same type
+   chain (``DTensor`` around the subclass), placements and inner tensors.
 2. DCP: ``get_state_dict`` of model and optimizer, ``dcp.save``; a fresh model (other seed)
    loads it (``dcp.load`` + ``set_state_dict``) and trains on in lockstep with the run that
    never stopped: every loss, parameter and gradient equal (shardwise's resumed run, torch's
