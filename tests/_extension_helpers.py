@@ -100,6 +100,7 @@ def side_by_side(case: Case, counter: Callable[[], int]) -> tuple[nn.Module, nn.
                 opt.zero_grad()
                 loss = case.loss(model(x))
                 loss.backward()
+                torch.manual_seed(step)  # the same draws for a stochastically rounding update (int8 training)
                 opt.step()
                 if case.after_step is not None:
                     case.after_step(model)
@@ -139,7 +140,7 @@ def assert_same_params(ours: nn.Module, theirs: nn.Module, where: str, grads: bo
     for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
         assert type(p.to_local()) is type(q.to_local()), f"{where}: {name} local {type(p.to_local())}"
         assert p.placements == q.placements and p.dtype == q.dtype, f"{where}: {name} {p.placements} {p.dtype}"
-        assert torch.equal(plain(p.to_local()), plain(q.to_local())), f"{where}: {name}"
+        assert same_values(p.to_local(), q.to_local()), f"{where}: {name}"
         if grads and q.grad is not None:
             assert p.grad is not None, f"{where}: {name} has no grad"
             assert torch.equal(p.grad.to_local(), q.grad.to_local()), f"{where}: {name}.grad"
@@ -147,11 +148,13 @@ def assert_same_params(ours: nn.Module, theirs: nn.Module, where: str, grads: bo
             assert p.grad is None, f"{where}: {name} has a grad torch has not"
 
 
-def plain(t: torch.Tensor) -> torch.Tensor:
-    """A local tensor's values as a plain tensor (a wrapper subclass's inner data)."""
-    for attr in ("_data", "_tensor"):
-        if type(t) is not torch.Tensor and hasattr(t, attr):
-            return getattr(t, attr)
-    if hasattr(t, "get_original_weight"):  # NF4
-        return t.get_original_weight()
-    return t
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal values: plain tensors by ``torch.equal``; a subclass by each of its inner
+    tensors (``__tensor_flatten__``: float8's fp32 data, NF4's quantized data and scalers,
+    int8's data and scale), as the subclass's own ``equal`` may not exist."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is torch.Tensor or not hasattr(a, "__tensor_flatten__"):
+        return torch.equal(a, b)
+    names, meta = a.__tensor_flatten__()
+    return names == b.__tensor_flatten__()[0] and all(same_values(getattr(a, n), getattr(b, n)) for n in names)
