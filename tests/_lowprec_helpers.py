@@ -3,12 +3,11 @@ test_int8_bitnet.py, test_float8_tp.py and test_lowprec_checkpoint.py.
 
 Everything here runs inside the ranks of :func:`shardwise.testing.run_on_ranks`.
 
-- :func:`inner_tensors`: the plain tensors a (possibly nested) tensor subclass holds, by
-  ``__tensor_flatten__`` (a DTensor's local tensor, an int8 weight's ``int_data`` and
-  ``scale``, an NF4 tensor's quantized data and scalers), so two parameters compare bit for
-  bit even where the subclass has no ``aten.equal``;
-- :func:`assert_same`: same type at every level, same placements, ``torch.equal`` inner
-  tensors;
+- :func:`assert_same`: one tensor (a state-dict value) against torch's: the same type at
+  every level (``DTensor`` around the subclass), placements, dtype and shape, and bit-equal
+  inner tensors (``_extension_helpers.same_values``: by ``__tensor_flatten__``, since a
+  subclass may have no ``aten.equal``); parameters and gradients of whole models go through
+  ``_extension_helpers.assert_same_params``;
 - :class:`GatherInputs`: what a subclass's ``fsdp_pre_all_gather`` handed to the
   all-gather, in bytes per dtype, with the all-gather payload seen at the dispatcher
   (:class:`shardwise.testing.CommCounter`) — the "bytes each rank all-gathers" of a step.
@@ -18,26 +17,13 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from _extension_helpers import same_values
 from shardwise.testing import CommCounter
-
-
-def inner_tensors(t: torch.Tensor, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(path, plain tensor)`` for every plain tensor inside ``t`` (``t`` itself if plain)."""
-    if isinstance(t, DTensor):
-        yield from inner_tensors(t._local_tensor, prefix + "local.")
-        return
-    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
-        yield prefix.rstrip(".") or "tensor", t
-        return
-    names, _ = t.__tensor_flatten__()
-    for name in names:
-        yield from inner_tensors(getattr(t, name), f"{prefix}{name}.")
 
 
 def type_chain(t: torch.Tensor) -> tuple[str, ...]:
@@ -51,7 +37,7 @@ def type_chain(t: torch.Tensor) -> tuple[str, ...]:
 
 
 def assert_same(ours: torch.Tensor, theirs: torch.Tensor, where: str) -> None:
-    """Same subclass chain, dtype and shape, and bit-equal inner tensors."""
+    """Same subclass chain, placements, dtype and shape, and bit-equal inner tensors."""
     assert type_chain(ours) == type_chain(theirs), f"{where}: type {type_chain(ours)} vs torch's {type_chain(theirs)}"
     if isinstance(ours, DTensor):
         placements = (ours.placements, theirs.placements)
@@ -59,23 +45,8 @@ def assert_same(ours: torch.Tensor, theirs: torch.Tensor, where: str) -> None:
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (
         f"{where}: {ours.dtype} {tuple(ours.shape)} vs torch's {theirs.dtype} {tuple(theirs.shape)}"
     )
-    a, b = dict(inner_tensors(ours)), dict(inner_tensors(theirs))
-    assert a.keys() == b.keys(), f"{where}: inner tensors {sorted(a)} vs torch's {sorted(b)}"
-    for name in a:
-        assert a[name].dtype == b[name].dtype, f"{where}.{name}: {a[name].dtype} vs torch's {b[name].dtype}"
-        assert torch.equal(a[name], b[name]), f"{where}.{name} differs from torch's"
-
-
-def assert_same_params(ours, theirs, where: str, grads: bool = True) -> None:
-    """Every parameter (and gradient) of two models, in order, by :func:`assert_same`."""
-    for (name, p), (name_t, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
-        assert name == name_t, f"{where}: parameter order {name} vs torch's {name_t}"
-        assert_same(p, q, f"{where}: {name}")
-        if grads:
-            has = (p.grad is not None, q.grad is not None)
-            assert has[0] == has[1], f"{where}: {name} has a grad: {has[0]}, torch's: {has[1]}"
-            if p.grad is not None:
-                assert_same(p.grad, q.grad, f"{where}: {name}.grad")
+    local = (ours._local_tensor, theirs._local_tensor) if isinstance(ours, DTensor) else (ours, theirs)
+    assert same_values(*local), f"{where}: values differ from torch's"
 
 
 class GatherInputs:

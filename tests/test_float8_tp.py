@@ -39,7 +39,8 @@ from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8R
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 import shardwise
-from _lowprec_helpers import GatherInputs, assert_same_params, rank_generator
+from _extension_helpers import assert_same_params
+from _lowprec_helpers import GatherInputs, rank_generator
 from _nd_helpers import make_mesh
 from shardwise.testing import run_on_ranks
 
@@ -102,7 +103,7 @@ def _parity(param_dtype, precompute: bool) -> list[dict]:
         (loss, ours_tally), (loss_t, theirs_tally) = (_step(m, o, x, precompute) for m, o in zip((ours, theirs), opts))
         assert torch.equal(loss, loss_t), f"{where}, step {step}: loss {loss.item()} vs torch's {loss_t.item()}"
         assert ours_tally == theirs_tally, f"{where}, step {step}: all-gathered {ours_tally} vs torch's {theirs_tally}"
-        assert_same_params(ours, theirs, f"{where}, step {step}")
+        assert_same_params(ours, theirs, f"{where}, step {step}", grads=True)
         tallies.append(theirs_tally)
     return tallies
 

@@ -44,7 +44,8 @@ from torchao.prototype.quantized_training import (
 from torchao.quantization import quantize_
 
 import shardwise
-from _lowprec_helpers import GatherInputs, assert_same, assert_same_params, rank_generator
+from _extension_helpers import assert_same_params
+from _lowprec_helpers import GatherInputs, assert_same, rank_generator
 from shardwise.testing import run_on_ranks
 
 TIMEOUT = 120
@@ -113,7 +114,7 @@ def _parity(kind: str, param_dtype, precompute: bool) -> list[dict]:
         )
         assert torch.equal(loss, loss_t), f"{where}, step {step}: loss {loss.item()} vs torch's {loss_t.item()}"
         assert ours_tally == theirs_tally, f"{where}, step {step}: all-gathered {ours_tally} vs torch's {theirs_tally}"
-        assert_same_params(ours, theirs, f"{where}, step {step}")
+        assert_same_params(ours, theirs, f"{where}, step {step}", grads=True)
         tallies.append(theirs_tally)
     sd, sd_t = ours.state_dict(), theirs.state_dict()
     assert list(sd) == list(sd_t), f"{where}: state_dict keys {list(sd)} vs torch's {list(sd_t)}"

@@ -51,7 +51,8 @@ from torchao.quantization import NF4Tensor, to_nf4
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
 
 import shardwise
-from _lowprec_helpers import GatherInputs, assert_same, assert_same_params, rank_generator
+from _extension_helpers import assert_same_params
+from _lowprec_helpers import GatherInputs, assert_same, rank_generator
 from shardwise.testing import run_on_ranks
 
 TIMEOUT = 120
@@ -130,7 +131,7 @@ def _train_in_lockstep(models, opts, gen, steps: int, where: str) -> list[dict]:
             at = f"{where}, step {step}, model {i}"
             assert torch.equal(losses[i], losses[-1]), f"{at}: loss {losses[i].item()} vs torch's {losses[-1].item()}"
             assert gathered[i] == gathered[-1], f"{at}: all-gathered {gathered[i]} vs torch's {gathered[-1]}"
-            assert_same_params(model, models[-1], at)
+            assert_same_params(model, models[-1], at, grads=True)
         for opt in opts:
             opt.zero_grad()
         tallies.append(gathered[-1])
