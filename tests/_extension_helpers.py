@@ -42,6 +42,7 @@ class Case:
     reshard_after_forward: bool | int | None = None
     after_step: Callable[[nn.Module], None] | None = None  # e.g. precompute_float8_dynamic_scale_for_fsdp
     configure: Callable[[nn.Module], None] | None = None  # after sharding, on both (set_* knobs)
+    micro_batches: int = 1  # >1: gradients accumulate without sync until the last micro-batch
     offload: bool = False  # CPUOffloadPolicy(pin_memory=False)
     shard_kwargs: dict = dataclasses.field(default_factory=dict)  # the same for both (mesh=...)
 
@@ -98,8 +99,10 @@ def side_by_side(case: Case, counter: Callable[[], int]) -> tuple[nn.Module, nn.
             before, comm_stats_before = counter(), comm_stats.snapshot()
             with ctx() if ctx else _count_torch_gathers(tally):
                 opt.zero_grad()
-                loss = case.loss(model(x))
-                loss.backward()
+                for micro in range(case.micro_batches):
+                    model.set_requires_gradient_sync(micro == case.micro_batches - 1)
+                    loss = case.loss(model(x + micro))
+                    loss.backward()
                 torch.manual_seed(step)  # the same draws for a stochastically rounding update (int8 training)
                 opt.step()
                 if case.after_step is not None:

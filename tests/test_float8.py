@@ -108,6 +108,24 @@ def test_float8_all_gather_matches_torch(param_dtype, precompute, reshard_after_
     assert gathered == {torch.uint8: _gathered_bytes(param_dtype, reshard_after_forward)}, gathered
 
 
+def _float8_accumulating() -> list:
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    warnings.filterwarnings("ignore")
+    case = Case(
+        build=_build, shard_units=lambda m: list(m.blocks), batch=lambda gen: torch.randn(8, DIM, generator=gen),
+        param_dtype=BF16, reduce_dtype=torch.float32, micro_batches=3, steps=2,
+    )
+    return side_by_side_counting(case, WeightWithDynamicFloat8CastTensor)[1]
+
+
+def test_float8_gradient_accumulation_without_sync_matches_torch():
+    """Three micro-batches per step, gradient sync off but for the last: bf16 gradients of
+    the float8 weights accumulate in fp32 (reduce_dtype) and reduce once, as in torch."""
+    per_step = run_on_ranks(_float8_accumulating, 2, timeout=TIMEOUT)[0]
+    assert per_step[-1][0] == 3 * (5 + 4), per_step  # 5 float8 weights; the blocks again in backward (root kept)
+
+
 def _float8_int_reshard() -> None:
     warnings.filterwarnings("ignore")
     for fully_shard in (torch_fully_shard, shardwise.fully_shard):
