@@ -44,9 +44,12 @@ def pytest_unconfigure(config):
     import sys
     import threading
 
-    stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    # torch's MultiThreadedTestCase names its rank threads "Thread-N (_run)"; other threads
+    # (executors, writers) end or are joined at exit as usual
+    stuck = [t for t in threading.enumerate() if t.name.endswith("(_run)") and not t.daemon and t.is_alive()]
     if stuck:
-        sys.stderr.write(f"conftest: {len(stuck)} thread(s) of timed-out tests still running at exit: "
-                         f"{[t.name for t in stuck]}; exiting without joining them\n")
-        sys.stderr.flush()
+        sys.__stderr__.write(f"conftest: {len(stuck)} thread-rank(s) of timed-out tests still running at exit: "
+                             f"{[t.name for t in stuck]}; exiting without joining them\n")
+        for stream in (sys.__stdout__, sys.__stderr__):
+            stream.flush()
         os._exit(_EXIT_STATUS[0] or 1)
