@@ -108,15 +108,24 @@ def _parity(shape: tuple[int, ...], factor: float | None, reference: str = "torc
     return losses
 
 
-@pytest.mark.parametrize("factor", [None, 8.0, 4.0, 3.0], ids=["mean", "factor_8", "factor_4", "factor_3"])
-@pytest.mark.parametrize("shape", [(4,), (2, 2), (4, 1)], ids=["fsdp_4", "hsdp_2x2", "replicate_4x1"])
+FOUR = [((4,), None), ((4,), 8.0), ((4,), 3.0), ((2, 2), None), ((2, 2), 8.0), ((2, 2), 4.0), ((2, 2), 3.0),
+        ((4, 1), None), ((4, 1), 8.0)]
+EIGHT = [((8,), None), ((2, 4), 16.0), ((8, 1), None), ((8, 1), 16.0)]
+
+
+def _ids(cases):
+    names = {1: "fsdp", 2: "hsdp"}
+    return [f"{'replicate' if s[-1] == 1 else names[len(s)]}_{'x'.join(map(str, s))}-{'mean' if f is None else f'factor_{f:g}'}"
+            for s, f in cases]
+
+
+@pytest.mark.parametrize("shape,factor", FOUR, ids=_ids(FOUR))
 def test_four_ranks_like_torch(shape, factor):
     reference = "premul" if not _torch_can_premultiply(shape, factor) and factor == 3.0 else "torch"
     run_on_ranks(_parity, 4, shape, factor, reference, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("factor", [None, 16.0], ids=["mean", "factor_16"])
-@pytest.mark.parametrize("shape", [(8,), (2, 4), (8, 1)], ids=["fsdp_8", "hsdp_2x4", "replicate_8x1"])
+@pytest.mark.parametrize("shape,factor", EIGHT, ids=_ids(EIGHT))
 def test_eight_ranks_like_torch(shape, factor):
     run_on_ranks(_parity, 8, shape, factor, timeout=2 * TIMEOUT)
 
