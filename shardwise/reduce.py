@@ -181,8 +181,7 @@ class GradReducer:
             packed.mul_(plan.pre_multiply)
         tracing.emit("reduce", group.fqn, group.training_state)
         if n == 1:
-            self._pending = self._start_without_shards(params, packed, plan.post_divide)
-            self._pending.divide_before_hook = plan.divides_as_collective
+            self._pending = self._start_without_shards(params, packed, plan.post_divide)  # never an AVG stand-in
             return
         comm = self.reduce_scatter_comm
         reduced = comm.allocate((packed.size(1),), dtype=dtype, device=packed.device)
