@@ -102,6 +102,8 @@ def _add_parallel_args(p: argparse.ArgumentParser, d) -> None:
                    help="free each block's gathered parameters after forward, or keep them sharded over INT ranks "
                         "(default true)")
     g.add_argument("--cpu-offload", action="store_true", help="keep sharded params, grads and optimizer state on the host")
+    g.add_argument("--float8", action="store_true",
+                   help="torchao float8 training of the blocks' linears, all-gathered in float8 (see shardwise.train.float8)")
 
 
 def _add_watch_args(p: argparse.ArgumentParser, d) -> None:

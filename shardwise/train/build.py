@@ -4,6 +4,7 @@
 
     with torch.device("meta"):
         model = spec.build()                       # shapes only: no memory
+    convert_to_float8(blocks)                      # --float8: see train/float8.py
     apply_tp / apply_ac / apply_compile (blocks)   # see train/parallel.py
     shard_model(model, blocks, mesh, options)      # fully_shard per block, then the root
     materialize(model, spec, device, seed)         # each rank allocates its shards only
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.train.config import TrainConfig
 from shardwise.train.distributed import DistEnv
+from shardwise.train.float8 import convert_to_float8, float8_tp_plan
 from shardwise.train.models import ModelSpec
 from shardwise.train.parallel import apply_ac, apply_compile, apply_tp, plain_name
 from shardwise.train.sharding import ShardOptions, shard_model
@@ -52,9 +54,12 @@ def sharded_on_meta(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Modul
     with torch.device("meta"):
         model = spec.build()
     blocks = spec.blocks(model)
+    if cfg.float8:
+        convert_to_float8(blocks)  # before TP and sharding: both keep the float8 weight type
     if env.tp_mesh is not None:
         spec.check_tp(env.tp_size)
-        apply_tp(blocks, env.tp_mesh, spec.tp_plan())
+        plan = spec.tp_plan()
+        apply_tp(blocks, env.tp_mesh, float8_tp_plan(plan, blocks[0]) if cfg.float8 else plan)
     apply_ac(blocks, cfg.ac)
     if cfg.compile:
         apply_compile(blocks, cfg.compile_backend)

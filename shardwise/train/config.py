@@ -101,6 +101,9 @@ class TrainConfig:
     """Clip the global gradient norm to this (``shardwise.clip_grad_norm_``); ``None`` clips nothing."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (``CPUOffloadPolicy``)."""
+    float8: bool = False
+    """torchao float8 training of the blocks' linears, all-gathered in float8, scales precomputed after
+    each optimizer step (see :mod:`~shardwise.train.float8`)."""
     # ---- watching the run
     tensorboard: str | None = None
     """Write TensorBoard scalars (loss, lr, grad norm, tokens/s, step time, peak memory, wire bytes) here."""
@@ -131,7 +134,7 @@ class TrainConfig:
         if self.hf_config is not None and self.hf_model is not None:
             raise ValueError("--hf-config and --hf-model are exclusive: build from a config, or load a model")
         if self.auto and (self.is_hf or self.tp > 1 or self.replicate > 1 or self.ac != "none" or self.compile
-                          or self.cpu_offload or self.grad_accum > 1):
+                          or self.cpu_offload or self.grad_accum > 1 or self.float8):
             raise ValueError("--auto plans a GPT preset on a 1-D mesh only; drop --auto or the other "
                              "model / parallelism flags")
 
@@ -151,6 +154,9 @@ class TrainConfig:
             raise ValueError(f"reshard_after_forward must be true, false or an int >= 2, got {raf!r}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.float8 and not isinstance(raf, bool):
+            raise ValueError(f"--float8 with --reshard-after-forward {raf}: a float8 weight has no post-forward "
+                             "shard (torch's FSDP2 refuses it too); use true or false")
 
     @property
     def is_hf(self) -> bool:

@@ -41,6 +41,7 @@ from shardwise.train.checkpointing import RunCheckpoints
 from shardwise.train.config import TrainConfig, TrainResult
 from shardwise.train.data import BatchSampler, load_corpus
 from shardwise.train.distributed import DistEnv, setup, teardown
+from shardwise.train.float8 import precompute_scales
 from shardwise.train.metrics import MetricsLog
 from shardwise.train.model import GPT
 from shardwise.train.models import ModelSpec, model_spec, param_count
@@ -100,6 +101,7 @@ class StepOptions:
     grad_accum: int = 1  # micro-batches; the gradient reduction runs on the last only
     clip_norm: float | None = None  # clip the global grad norm to this
     want_norm: bool = False  # compute the global grad norm even without clipping (TensorBoard)
+    after_step: Callable[[nn.Module], None] | None = None  # after optimizer.step() (--float8: precompute_scales)
 
 
 def train_step(
@@ -126,6 +128,8 @@ def train_step(
     if opts.clip_norm is not None or opts.want_norm:
         norm = clip_grad_norm_(model.parameters(), opts.clip_norm if opts.clip_norm is not None else math.inf)
     optimizer.step()
+    if opts.after_step is not None:
+        opts.after_step(model)
     return total, norm
 
 
@@ -289,7 +293,8 @@ def _setup_run(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[_Run, i
     checkpoints = RunCheckpoints(cfg, env, model, optimizer, scheduler, sampler, spec)
     start_step = checkpoints.resume(cfg.resume)
     tensorboard = TensorBoardLog(cfg.tensorboard, env.is_main)
-    opts = StepOptions(spec.logits, cfg.grad_accum, cfg.clip_norm, want_norm=tensorboard.enabled)
+    opts = StepOptions(spec.logits, cfg.grad_accum, cfg.clip_norm, want_norm=tensorboard.enabled,
+                       after_step=precompute_scales if cfg.float8 else None)
     job = _Run(model, optimizer, scheduler, sampler, checkpoints, MetricsLog(cfg.metrics, env.is_main),
                tensorboard, opts, held_out)
     return job, start_step

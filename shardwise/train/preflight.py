@@ -2,17 +2,19 @@
 
 :class:`~shardwise.train.config.TrainConfig` checks its fields alone when it is built;
 :func:`preflight` checks what it cannot see: the mesh against the ranks, the model's
-config file, the tensor-parallel plan against the model, the optional TensorBoard
-package, and that ``--resume`` continues a checkpoint of the same model. The CLI runs it
-once before launching the ranks (so a typo costs no process start), and :func:`train`
-again on every rank under torchrun. Each failure is a ``ValueError`` (or
-``FileNotFoundError`` / ``ImportError``) whose message names the flag and the fix.
+config file, the tensor-parallel plan against the model, the optional TensorBoard and
+torchao packages (with a float8-capable GPU), and that ``--resume`` continues a
+checkpoint of the same model. The CLI runs it once before launching the ranks (so a
+typo costs no process start), and :func:`train` again on every rank under torchrun.
+Each failure is a ``ValueError`` (or ``FileNotFoundError`` / ``ImportError``) whose
+message names the flag and the fix.
 """
 
 from __future__ import annotations
 
 from shardwise.train.checkpointing import check_same_model
 from shardwise.train.config import TrainConfig
+from shardwise.train.float8 import check_float8_device, require_torchao
 from shardwise.train.models import ModelSpec, model_spec
 from shardwise.train.tensorboard import require_tensorboard
 
@@ -27,6 +29,9 @@ def preflight(cfg: TrainConfig, world_size: int) -> ModelSpec:
         spec.check_tp(cfg.tp)
     if cfg.tensorboard is not None:
         require_tensorboard()
+    if cfg.float8:
+        require_torchao()
+        check_float8_device(cfg.device)
     if cfg.resume and cfg.checkpoint_dir is not None:
         check_same_model(cfg.checkpoint_dir, spec.card())
     return spec
