@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from shardwise.train.build import materialize, sharded_on_meta
 from shardwise.train.config import TrainConfig, TrainResult
 from shardwise.train.float8 import convert_to_float8
 from shardwise.train.export import export_checkpoint, load_gpt
+from shardwise.train import loop
 from shardwise.train.loop import restore_model, train
 from shardwise.train.metrics import read_metrics
 from shardwise.train.models import model_spec
@@ -214,7 +216,8 @@ def test_offload_int_reshard_selective_ac_bf16_match_torch():
 
 class _AmaxReduces(TorchDispatchMode):
     """Counts functional all-reduces: torchao's amax reductions, one per weight in each float8
-    pre-all-gather without a precomputed scale, or one for all weights in a precompute."""
+    pre-all-gather without a precomputed scale (a precompute's own all-reduce runs inside
+    DTensor's dispatch, which this mode does not see)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -225,49 +228,57 @@ class _AmaxReduces(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _float8_on_rank(fields: dict) -> tuple[list[float], int, dict, dict[str, tuple[str, torch.Tensor]], int]:
-    """(losses, amax all-reduces, all-gather bytes by dtype, local shards by name with their type
-    as the checkpoint restores them, bytes one all-gather of every block moves with float8 weights)."""
-    cfg = TrainConfig(**fields)
-    env = _env(fields)
-    with _AmaxReduces() as reduces:
-        result = train(cfg, env)
-    model = restore_model(cfg, env)  # the last step's checkpoint, loaded into a fresh float8 model
+FLOAT8_WEIGHT = "WeightWithDynamicFloat8CastTensor"
+
+
+def _float8_on_rank(fields: dict) -> dict:
+    """The run's losses, amax all-reduces and all-gather bytes by dtype; the trained model's local
+    shards (with their type); each float8 weight's precomputed scale against the scale of its full
+    tensor's amax; and the bytes one all-gather of every block moves with float8 weights."""
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    cfg, env = TrainConfig(**fields), _env(fields)
+    built, build = [], loop.build_model  # the trained model, kept as the loop builds it
+    with mock.patch.object(loop, "build_model", lambda *args: built.append(build(*args)) or built[0]):
+        with _AmaxReduces() as reduces:
+            result = train(cfg, env)
+    model = built[0]
     shards = {n: (type(p.to_local()).__name__, p.to_local()) for n, p in model.named_parameters()}
-    blocks = model_spec(cfg).blocks(model)
+    scales = [(p._local_tensor._precomputed_scale, tensor_to_scale(p.full_tensor(), torch.float8_e4m3fn))
+              for n, p in model.named_parameters() if shards[n][0] == FLOAT8_WEIGHT]
+    bf16 = cfg.mixed_precision == "bf16"
     block_bytes = env.dp_size * sum(  # all-gather output: every dp rank's shard
-        p.to_local().numel() * (1 if type(p.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
-                                else p.element_size() // (2 if cfg.mixed_precision == "bf16" else 1))
-        for p in blocks.parameters())
-    gathered = {} if result.comm is None else result.comm.bytes_by_dtype("all_gather")
-    return result.losses, reduces.count, gathered, shards, block_bytes
+        p.to_local().numel() * (1 if type(p.to_local()).__name__ == FLOAT8_WEIGHT else 2 if bf16 else 4)
+        for p in model_spec(cfg).blocks(model).parameters())
+    return dict(losses=result.losses, reduces=reduces.count, gathered=result.comm and result.comm.bytes_by_dtype(
+        "all_gather"), shards=shards, scales=scales, block_bytes=block_bytes)
 
 
 @pytest.mark.parametrize("model,precision", [("gpt", "none"), ("llama", "bf16")])
-def test_float8_matches_torch_gathers_float8_and_precomputes_scales(tmp_path, llama_config, model, precision):
-    fields = {**BASE, "steps": 3, "float8": True, "mixed_precision": precision,
+def test_float8_matches_torch_gathers_float8_and_precomputes_scales(llama_config, model, precision):
+    steps = 2  # step 1 casts with each weight's own amax; step 2 with the scales precomputed after step 1
+    fields = {**BASE, "steps": steps, "float8": True, "mixed_precision": precision,
               **({"model": "nano"} if model == "gpt" else {"hf_config": llama_config})}
-    ours = run_on_ranks(_float8_on_rank, 2, {**fields, "checkpoint_dir": str(tmp_path / "ours")}, timeout=TIMEOUT)
-    theirs = run_on_ranks(_float8_on_rank, 2, {**fields, "checkpoint_dir": str(tmp_path / "torch"), "impl": "torch"},
-                          timeout=TIMEOUT)
-    assert ours[0][0] != ours[1][0]  # the ranks' batches differ
-    for rank in range(2):
-        losses, reduces, gathered, shards, block_bytes = ours[rank]
-        assert losses == theirs[rank][0]  # bit-equal, every step
-        ref = theirs[rank][3]
-        assert shards.keys() == ref.keys()
-        for name, (kind, local) in shards.items():
-            assert kind == ref[name][0] and torch.equal(local, ref[name][1]), name
-        float8 = {n for n, (kind, _) in shards.items() if kind == "WeightWithDynamicFloat8CastTensor"}
-        matrices = {n for n, (_, local) in shards.items() if local.dim() == 2}
+    ours = run_on_ranks(_float8_on_rank, 2, fields, timeout=TIMEOUT)
+    theirs = run_on_ranks(_float8_on_rank, 2, {**fields, "impl": "torch"}, timeout=TIMEOUT)
+    assert ours[0]["losses"] != ours[1]["losses"]  # the ranks' batches differ
+    for mine, ref in zip(ours, theirs):
+        assert mine["losses"] == ref["losses"]  # bit-equal, every step
+        assert mine["shards"].keys() == ref["shards"].keys()
+        for name, (kind, local) in mine["shards"].items():
+            assert kind == ref["shards"][name][0] and torch.equal(local, ref["shards"][name][1]), name
+        float8 = {n for n, (kind, _) in mine["shards"].items() if kind == FLOAT8_WEIGHT}
+        matrices = {n for n, (_, local) in mine["shards"].items() if local.dim() == 2}
         assert float8 == {n for n in matrices if "layers." in n}, float8  # the blocks' linears: not the head
-        # blocks gathered in forward and again in backward; their float8 weights as 1 byte, norms and
-        # biases in the parameter dtype: a group of mixed dtypes moves bytes (uint8)
-        assert gathered[torch.uint8] == 2 * 3 * block_bytes, gathered
-        # only step 1's gathers (forward, backward) reduce each weight's amax: after every optimizer
-        # step the scales are precomputed (an all-reduce inside DTensor's dispatch, unseen here) and
-        # later gathers reuse them; without the precompute, each of the 3 steps would reduce as many
-        assert reduces == 2 * len(float8) == theirs[rank][1], (reduces, len(float8))
+        # blocks gathered in forward and again in backward; float8 weights as 1 byte, norms (and
+        # biases) in the parameter dtype: a group of mixed dtypes moves bytes (uint8)
+        assert mine["gathered"][torch.uint8] == 2 * steps * mine["block_bytes"], mine["gathered"]
+        # the scales precomputed after the last step are those of the weights' amax now...
+        assert len(mine["scales"]) == len(float8)
+        assert all(got is not None and torch.equal(got, want) for got, want in mine["scales"]), mine["scales"]
+        # ...and the gathers of every step but the first reuse them: only step 1 (forward and
+        # backward) reduces each weight's amax, where without the precompute every step would
+        assert mine["reduces"] == 2 * len(float8) == ref["reduces"], mine["reduces"]
 
 
 def test_float8_converts_only_linears_float8_can_multiply():
