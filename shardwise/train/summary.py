@@ -91,7 +91,8 @@ def print_header(cfg: TrainConfig, model: str, seq_len: int, env: DistEnv, devic
     """One line saying what is about to run (``model`` describes it: name, size, layers)."""
     extras = [f"{flag} {value}" for flag, value, off in (
         ("ac", cfg.ac, "none"), ("grad-accum", cfg.grad_accum, 1), ("clip-norm", cfg.clip_norm, None),
-        ("compile", cfg.compile, False), ("cpu-offload", cfg.cpu_offload, False)) if value != off]
+        ("compile", cfg.compile, False), ("cpu-offload", cfg.cpu_offload, False), ("float8", cfg.float8, False))
+        if value != off]
     print(
         f"shardwise train: {model} | {_mesh_text(cfg, env)} on {device} | impl {cfg.impl} | "
         f"mixed precision {cfg.mixed_precision}{''.join(' | ' + e for e in extras)} | "
