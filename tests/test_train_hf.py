@@ -10,7 +10,8 @@
   on the same seed, and TP within fp32 tolerance of the same model without TP.
 - ``--float8`` (a GPT preset in fp32, a Llama in bf16): every step's loss and the final local
   shards equal ``--impl torch``'s; the blocks' weights are all-gathered in float8 (bytes by
-  dtype), and after each optimizer step one all-reduce precomputes every weight's scale.
+  dtype), and after each optimizer step one all-reduce precomputes every weight's scale; the
+  float8 model is materialised with the plain model's weights.
 - ``--grad-accum`` reduces once per step; set-up peak memory stays near one rank's share.
 - Bad input fails in the CLI before any rank is launched.
 """
@@ -279,6 +280,15 @@ def test_float8_matches_torch_gathers_float8_and_precomputes_scales(llama_config
         # ...and the gathers of every step but the first reuse them: only step 1 (forward and
         # backward) reduces each weight's amax, where without the precompute every step would
         assert mine["reduces"] == 2 * len(float8) == ref["reduces"], mine["reduces"]
+
+
+def test_float8_model_is_materialised_with_the_weights_of_the_plain_one(llama_config):
+    """The shards of a float8 weight (a DTensor around torchao's subclass) get the same values
+    from the seed, through the subclass's own ``copy_``, as the plain model's."""
+    fields = {**BASE, "hf_config": llama_config}
+    plain = run_on_ranks(_loaded_on_rank, 2, fields, timeout=TIMEOUT)[0]
+    float8 = run_on_ranks(_loaded_on_rank, 2, {**fields, "float8": True}, timeout=TIMEOUT)[0]
+    assert plain.keys() == float8.keys() and all(torch.equal(plain[k], float8[k]) for k in plain)
 
 
 def test_float8_converts_only_linears_float8_can_multiply():

@@ -68,7 +68,11 @@ def sharded_on_meta(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Modul
 
 
 def _copy_shard(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Write this rank's part of ``full`` into ``param`` (a sharded DTensor or a plain tensor)."""
+    """Write this rank's part of ``full`` into ``param`` (a sharded DTensor or a plain tensor).
+
+    ``full`` is always a plain tensor; ``param``'s local tensor may be a subclass (``--float8``:
+    torchao's weight), whose ``copy_`` writes into the high-precision tensor it wraps.
+    """
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank holds ``full`` already, so each slices its own part (no collective)
         part = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
