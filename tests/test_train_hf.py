@@ -255,6 +255,21 @@ def _float8_on_rank(fields: dict) -> dict:
         "all_gather"), shards=shards, scales=scales, block_bytes=block_bytes)
 
 
+def _assert_float8_run_equals(mine: dict, ref: dict, steps: int) -> set[str]:
+    """A rank's float8 run against torch's, bit for bit; the names of its float8 weights."""
+    assert mine["losses"] == ref["losses"]  # bit-equal, every step
+    assert mine["shards"].keys() == ref["shards"].keys()
+    for name, (kind, local) in mine["shards"].items():
+        assert kind == ref["shards"][name][0] and torch.equal(local, ref["shards"][name][1]), name
+    float8 = {n for n, (kind, _) in mine["shards"].items() if kind == FLOAT8_WEIGHT}
+    matrices = {n for n, (_, local) in mine["shards"].items() if local.dim() == 2}
+    assert float8 == {n for n in matrices if "layers." in n}, float8  # the blocks' linears: not the head
+    # blocks gathered in forward and again in backward; float8 weights as 1 byte, norms (and
+    # biases) in the parameter dtype: a group of mixed dtypes moves bytes (uint8)
+    assert mine["gathered"][torch.uint8] == 2 * steps * mine["block_bytes"], mine["gathered"]
+    return float8
+
+
 @pytest.mark.parametrize("model,precision", [("gpt", "none"), ("llama", "bf16")])
 def test_float8_matches_torch_gathers_float8_and_precomputes_scales(llama_config, model, precision):
     steps = 2  # step 1 casts with each weight's own amax; step 2 with the scales precomputed after step 1
@@ -264,22 +279,23 @@ def test_float8_matches_torch_gathers_float8_and_precomputes_scales(llama_config
     theirs = run_on_ranks(_float8_on_rank, 2, {**fields, "impl": "torch"}, timeout=TIMEOUT)
     assert ours[0]["losses"] != ours[1]["losses"]  # the ranks' batches differ
     for mine, ref in zip(ours, theirs):
-        assert mine["losses"] == ref["losses"]  # bit-equal, every step
-        assert mine["shards"].keys() == ref["shards"].keys()
-        for name, (kind, local) in mine["shards"].items():
-            assert kind == ref["shards"][name][0] and torch.equal(local, ref["shards"][name][1]), name
-        float8 = {n for n, (kind, _) in mine["shards"].items() if kind == FLOAT8_WEIGHT}
-        matrices = {n for n, (_, local) in mine["shards"].items() if local.dim() == 2}
-        assert float8 == {n for n in matrices if "layers." in n}, float8  # the blocks' linears: not the head
-        # blocks gathered in forward and again in backward; float8 weights as 1 byte, norms (and
-        # biases) in the parameter dtype: a group of mixed dtypes moves bytes (uint8)
-        assert mine["gathered"][torch.uint8] == 2 * steps * mine["block_bytes"], mine["gathered"]
+        float8 = _assert_float8_run_equals(mine, ref, steps)
         # the scales precomputed after the last step are those of the weights' amax now...
         assert len(mine["scales"]) == len(float8)
         assert all(got is not None and torch.equal(got, want) for got, want in mine["scales"]), mine["scales"]
         # ...and the gathers of every step but the first reuse them: only step 1 (forward and
         # backward) reduces each weight's amax, where without the precompute every step would
         assert mine["reduces"] == 2 * len(float8) == ref["reduces"], mine["reduces"]
+
+
+def test_float8_with_tp_matches_torch(llama_config):
+    """(dp 2, tp 2): torchao's float8 TP styles split the Llama's float8 linears, FSDP shards them over dp."""
+    fields = {**BASE, "steps": 2, "float8": True, "tp": 2, "hf_config": llama_config}
+    ours = run_on_ranks(_float8_on_rank, 4, fields, timeout=TIMEOUT)
+    theirs = run_on_ranks(_float8_on_rank, 4, {**fields, "impl": "torch"}, timeout=TIMEOUT)
+    assert ours[0]["losses"] == ours[1]["losses"] != ours[2]["losses"]  # a TP pair shares its batch
+    for mine, ref in zip(ours, theirs):
+        _assert_float8_run_equals(mine, ref, 2)
 
 
 def test_float8_model_is_materialised_with_the_weights_of_the_plain_one(llama_config):
