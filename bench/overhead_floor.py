@@ -15,7 +15,8 @@ model on its own, per unit (one block: two Linears, four parameters)::
                         against the same SGD over plain tensors
 
 Each figure is the training thread's CPU time (robust to a loaded machine), the 20th
-percentile of ``steps`` steps, over the plain model's, divided by K. Their sum is the
+percentile of ``steps`` steps (the fastest of ``rounds`` interleaved rounds), over the
+plain model's, divided by K. Their sum is the
 floor under shardwise's (and torch FSDP2's) per-unit overhead on CPU, where SGD runs one
 tensor at a time (on a GPU it runs ``foreach``: one DTensor dispatch per step, not per
 parameter)::
@@ -122,22 +123,32 @@ def _dtensor_params(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
     return [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in model.parameters()]
 
 
-def measure(k: int, steps: int, mesh: DeviceMesh) -> dict[str, float]:
-    """Per-unit µs of each mechanism over the plain stack (see the module docstring)."""
-    plain = _train_step_us(build_stack(k), steps)
-    hooks = _train_step_us(_hooked_stack(k, trigger=False, output_hook=False), steps)
-    post = _train_step_us(_hooked_stack(k, trigger=True, output_hook=False), steps)
-    pre = _train_step_us(_hooked_stack(k, trigger=False, output_hook=True), steps)
+def _measure_once(k: int, steps: int, mesh: DeviceMesh) -> dict[str, float]:
+    """One round: the step (or optimizer step) CPU µs of every variant, in turn."""
     model = build_stack(k)
-    opt_plain = _optimizer_step_us(list(model.parameters()), steps)
-    opt_dtensor = _optimizer_step_us(_dtensor_params(model, mesh), steps)
-    per_unit = lambda extra: extra / k  # noqa: E731
     return {
-        "plain step": plain,
-        "module hooks": per_unit(hooks - plain),
-        "post-backward": per_unit(post - hooks),
-        "pre-backward": per_unit(pre - hooks),
-        "DTensor optimizer": per_unit(opt_dtensor - opt_plain),
+        "plain": _train_step_us(build_stack(k), steps),
+        "hooks": _train_step_us(_hooked_stack(k, trigger=False, output_hook=False), steps),
+        "post": _train_step_us(_hooked_stack(k, trigger=True, output_hook=False), steps),
+        "pre": _train_step_us(_hooked_stack(k, trigger=False, output_hook=True), steps),
+        "opt plain": _optimizer_step_us(list(model.parameters()), steps),
+        "opt dtensor": _optimizer_step_us(_dtensor_params(model, mesh), steps),
+    }
+
+
+def measure(k: int, steps: int, mesh: DeviceMesh, rounds: int = 3) -> dict[str, float]:
+    """Per-unit µs of each mechanism over the plain stack (see the module docstring).
+
+    Every variant runs once per round, in turn; each keeps its fastest round, as a
+    machine's passing load only ever adds time."""
+    runs = [_measure_once(k, steps, mesh) for _ in range(rounds)]
+    best = {name: min(run[name] for run in runs) for name in runs[0]}
+    return {
+        "plain step": best["plain"],
+        "module hooks": (best["hooks"] - best["plain"]) / k,
+        "post-backward": (best["post"] - best["hooks"]) / k,
+        "pre-backward": (best["pre"] - best["hooks"]) / k,
+        "DTensor optimizer": (best["opt dtensor"] - best["opt plain"]) / k,
     }
 
 
@@ -153,15 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke test: K=4, 10 steps")
     parser.add_argument("--k", type=int, default=None, help="units (default 48)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 200)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3)")
     args = parser.parse_args(argv)
     k = args.k or (4 if args.quick else 48)
     steps = args.steps or (10 if args.quick else 200)
+    rounds = args.rounds or (1 if args.quick else 3)
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()
     store = _loopback_store()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        print(format_table(k, measure(k, steps, init_device_mesh("cpu", (1,)))), flush=True)
+        print(format_table(k, measure(k, steps, init_device_mesh("cpu", (1,)), rounds)), flush=True)
     finally:
         dist.destroy_process_group()
     return 0

@@ -265,7 +265,7 @@ def _floor_measured() -> dict:
     from bench.overhead_floor import measure
     from torch.distributed.device_mesh import init_device_mesh
 
-    return measure(2, 3, init_device_mesh("cpu", (1,)))
+    return measure(2, 3, init_device_mesh("cpu", (1,)), rounds=1)
 
 
 def test_overhead_floor_mechanisms_are_identities_and_all_measured():
