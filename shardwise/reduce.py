@@ -50,13 +50,14 @@ class ReducingGroup(Protocol):
 @dataclasses.dataclass
 class _PendingReduce:
     work: object | None  # reduce-scatter Work; None at world size 1
-    reduced: torch.Tensor  # (Pg,) our shard of the summed gradients
+    reduced: torch.Tensor | None  # (Pg,) our shard of the summed gradients
     params: list[ShardedParam]  # the params whose grads were packed, in order
     post_divide: float
-    packed: torch.Tensor  # (N, Pg), kept alive until the collective is done
+    packed: torch.Tensor | None  # (N, Pg), kept alive until the collective is done
     divide_before_hook: bool = False  # post_divide stands in for torch's AVG: the hook sees the mean
     all_reduced: bool = False  # replicate-only: the all-reduce was the collective in flight
     receive_buffer: bool = False  # the collective holds a receive buffer besides ``reduced``
+    grads: list[torch.Tensor] | None = None  # world size 1: the gradients themselves, nothing packed
 
 
 class GradReducer:
@@ -176,6 +177,10 @@ class GradReducer:
         n = mesh_info.shard_size
         dtype = self._reduce_dtype(grads[0].dtype)
         plan = collectives.plan_reduction(dtype, n * mesh_info.replicate_size, self.divide_factor, n, self.force_sum)
+        if self._grads_are_shards(params, grads, dtype, plan):
+            tracing.emit("reduce", group.fqn, group.training_state)
+            self._pending = _PendingReduce(None, None, params, 1.0, None, grads=grads)
+            return
         packed = self._pack(params, grads, dtype, plan.pre_divide)  # (N, Pg) in reduce_dtype
         if plan.pre_multiply != 1.0:
             packed.mul_(plan.pre_multiply)
@@ -197,6 +202,24 @@ class GradReducer:
             work, reduced, params, plan.post_divide, packed, receive_buffer=receive_buffer,
             divide_before_hook=plan.divides_as_collective,
         )
+
+    def _grads_are_shards(
+        self, params: list[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype, plan: collectives.ReducePlan
+    ) -> bool:
+        """World size 1 with nothing to do to the gradients: no cast, no division, no hook, no
+        device move. Each unsharded gradient then *is* its sharded gradient (the same shape,
+        values and layout the pack-and-split would give), so it is handed over as it is:
+        packing would only copy it into a buffer and split it out again."""
+        mesh_info = self.group.mesh_info
+        if mesh_info.shard_size != 1 or mesh_info.replicate_size != 1 or self.all_reduce_hook is not None:
+            return False
+        if plan.pre_divide != 1.0 or plan.pre_multiply != 1.0 or plan.post_divide != 1.0:
+            return False
+        return all(
+            type(g) is torch.Tensor and g.dtype == dtype and g.is_contiguous()
+            and g.dtype == p.padded_shard.dtype and g.device == p.padded_shard.device
+            for p, g in zip(params, grads)
+        )  # fmt: skip
 
     def _start_without_shards(self, params, packed: torch.Tensor, post_divide: float) -> _PendingReduce:
         """Shard size 1: nothing to reduce-scatter; replicate issues its all-reduce right away
@@ -231,6 +254,11 @@ class GradReducer:
         if group.mesh_info.replicate_size > 1 and not pending.all_reduced:  # HSDP
             pending = self._all_reduce_or_defer(pending)
         if pending is None:
+            return
+        if pending.grads is not None:  # world size 1, handed over as they are
+            for p, grad in zip(pending.params, pending.grads):
+                _accumulate_sharded_grad(p, grad.view(p.local_size))
+            tracing.emit("reduce_done", group.fqn, group.training_state)
             return
         reduced = pending.reduced
         divide = pending.post_divide != 1.0

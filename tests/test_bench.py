@@ -256,3 +256,32 @@ def test_overhead_quick_runs_every_contender_and_they_train_the_same_losses():
     table = printed.getvalue()
     assert table.count("faults=") == 2 and all(name in table for name in CONTENDERS)
     assert format_tables(summaries[:1]).splitlines()[1] == "faults=on world_size=1 K=2"
+
+
+# ---------------------------------------------------------------- bench.overhead_floor
+
+
+def _floor_measured() -> dict:
+    from bench.overhead_floor import measure
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return measure(2, 3, init_device_mesh("cpu", (1,)), rounds=1)
+
+
+def test_overhead_floor_mechanisms_are_identities_and_all_measured():
+    """The hooked stacks of ``python -m bench.overhead_floor`` compute the plain stack's
+    gradients (the trigger and hooks only observe), and every mechanism gets a figure."""
+    from bench.overhead import build_stack
+    from bench.overhead_floor import MECHANISMS, _hooked_stack, format_table
+    from shardwise.testing import run_on_ranks
+
+    x = torch.randn(3, 32)
+    plain = build_stack(2)
+    plain(x).sum().backward()
+    hooked = _hooked_stack(2, trigger=True, output_hook=True)
+    hooked(x).sum().backward()
+    for a, b in zip(plain.parameters(), hooked.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    (result,) = run_on_ranks(_floor_measured, 1, timeout=120)
+    assert set(result) == {"plain step", *MECHANISMS} and result["plain step"] > 0
+    assert format_table(2, result).splitlines()[-1].startswith("floor (sum)")

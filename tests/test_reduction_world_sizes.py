@@ -176,6 +176,37 @@ def test_world_size_one_divides_once_like_torch(factor):
     assert counts["ours"] == expected, counts
 
 
+def _world_size_one_training() -> None:
+    """Three AdamW steps at world size 1, each two micro-batches (the first with gradient
+    sync off, then on; the last step syncs both, adding into the sharded ``.grad``):
+    losses, gradients and parameters ``torch.equal`` to torch's FSDP2 every step. At world
+    size 1 with nothing to cast or divide, each gradient is handed over as it is."""
+    mesh = _mesh((1,))
+    torch.manual_seed(0)
+    base = Transformer(**DIMS)
+    models = {"ours": _shard(copy.deepcopy(base), shardwise.fully_shard, mesh),
+              "torch": _shard(copy.deepcopy(base), torch_fully_shard, mesh)}  # fmt: skip
+    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+    batches = token_batches(generator(0), DIMS["vocab_size"], 2 * 3, seq_len=DIMS["max_seq_len"] - 1)
+    for step in range(3):
+        for name, model in models.items():
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1 or step == 2)
+                lm_loss(model, batches[2 * step + micro]).backward()
+        ours, theirs = (list(models[k].parameters()) for k in ("ours", "torch"))
+        for a, b in zip(ours, theirs):
+            assert isinstance(a.grad, type(b.grad)) and a.grad.placements == b.grad.placements
+            assert torch.equal(a.grad.to_local(), b.grad.to_local()), f"step {step}"
+        for opt in optims.values():
+            opt.step()
+            opt.zero_grad()
+        assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(ours, theirs)), f"step {step}"
+
+
+def test_world_size_one_trains_like_torch():
+    run_on_ranks(_world_size_one_training, 1, timeout=TIMEOUT)
+
+
 def _hook_sees_what_torchs_sees(shape: tuple[int, ...], knob: str) -> None:
     """An all-reduce hook that changes the gradient (adds 1): where it runs relative to the
     division decides the result. torch runs it on its collectives' output, before its own

@@ -1,0 +1,184 @@
+"""``python -m bench.overhead_floor``: what the mechanisms FSDP2's API prescribes cost per unit.
+
+:mod:`bench.overhead` measures each wrapper's per-unit overhead on a stack of K blocks.
+This measures the part of it that no implementation of the API can avoid, on the same
+stack at world size 1 (one process, no collective), each mechanism added to a plain
+model on its own, per unit (one block: two Linears, four parameters)::
+
+    module hooks        a forward pre-hook and a forward hook per unit (the API's
+                        "unshard before, reshard after"), dynamo-disabled as a wrapper's are
+    post-backward       an identity autograd.Function on each unit's inputs, whose backward
+                        says "this unit's gradients are done" (FSDP2's trigger)
+    pre-backward        a pre-hook on the autograd node of each unit's output
+    DTensor optimizer   SGD over the unit's four parameters as DTensors with DTensor
+                        gradients (the API makes sharded parameters and gradients DTensors)
+                        against the same SGD over plain tensors
+
+Each figure is the training thread's CPU time (robust to a loaded machine), the 20th
+percentile of ``steps`` steps (the fastest of ``rounds`` interleaved rounds), over the
+plain model's, divided by K. Their sum is the
+floor under shardwise's (and torch FSDP2's) per-unit overhead on CPU, where SGD runs one
+tensor at a time (on a GPU it runs ``foreach``: one DTensor dispatch per step, not per
+parameter)::
+
+    python -m bench.overhead_floor                # K=48, 200 steps
+    python -m bench.overhead_floor --quick        # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from bench.launch import _loopback_interface, _loopback_store
+from bench.overhead import WIDTH, BATCH, build_stack
+
+__all__ = ["MECHANISMS", "measure", "main"]
+
+MECHANISMS = ("module hooks", "post-backward", "pre-backward", "DTensor optimizer")
+
+
+class _Trigger(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward is where a wrapper learns the unit is done."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def _hooked_stack(k: int, trigger: bool, output_hook: bool) -> nn.Module:
+    """The plain stack with a pre- and post-forward hook per unit, plus the chosen mechanisms."""
+    model = build_stack(k)
+
+    @torch._dynamo.disable
+    def pre(module, args, kwargs):
+        if trigger and torch.is_grad_enabled():
+            args = _Trigger.apply(*args)
+        return args, kwargs
+
+    @torch._dynamo.disable
+    def post(module, args, kwargs, output):
+        if output_hook and output.grad_fn is not None:
+            output.grad_fn.register_prehook(lambda grads: None)
+        return output
+
+    for unit in (*model, model):
+        unit.register_forward_pre_hook(pre, with_kwargs=True)
+        unit.register_forward_hook(post, with_kwargs=True)
+    return model
+
+
+def _cpu_us(step: Callable[[], None], steps: int) -> float:
+    """20th percentile of ``step``'s thread CPU time, in µs (after a few untimed steps)."""
+    times = []
+    for i in range(steps + 5):
+        start = time.thread_time()
+        step()
+        if i >= 5:
+            times.append(time.thread_time() - start)
+    return sorted(times)[len(times) // 5] * 1e6
+
+
+def _train_step_us(model: nn.Module, steps: int) -> float:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+
+    def step() -> None:
+        (model(x) - y).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _cpu_us(step, steps)
+
+
+def _optimizer_step_us(params: list[torch.Tensor], steps: int) -> float:
+    """SGD's step (and zero_grad) alone, gradients set before each."""
+    optimizer = torch.optim.SGD(params, lr=0.01)
+    grads = [torch.ones_like(p) for p in params]
+    times = []
+    for i in range(steps + 5):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        start = time.thread_time()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i >= 5:
+            times.append(time.thread_time() - start)
+    return sorted(times)[len(times) // 5] * 1e6
+
+
+def _dtensor_params(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
+    return [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])) for p in model.parameters()]
+
+
+def _measure_once(k: int, steps: int, mesh: DeviceMesh) -> dict[str, float]:
+    """One round: the step (or optimizer step) CPU µs of every variant, in turn."""
+    model = build_stack(k)
+    return {
+        "plain": _train_step_us(build_stack(k), steps),
+        "hooks": _train_step_us(_hooked_stack(k, trigger=False, output_hook=False), steps),
+        "post": _train_step_us(_hooked_stack(k, trigger=True, output_hook=False), steps),
+        "pre": _train_step_us(_hooked_stack(k, trigger=False, output_hook=True), steps),
+        "opt plain": _optimizer_step_us(list(model.parameters()), steps),
+        "opt dtensor": _optimizer_step_us(_dtensor_params(model, mesh), steps),
+    }
+
+
+def measure(k: int, steps: int, mesh: DeviceMesh, rounds: int = 3) -> dict[str, float]:
+    """Per-unit µs of each mechanism over the plain stack (see the module docstring).
+
+    Every variant runs once per round, in turn; each keeps its fastest round, as a
+    machine's passing load only ever adds time."""
+    runs = [_measure_once(k, steps, mesh) for _ in range(rounds)]
+    best = {name: min(run[name] for run in runs) for name in runs[0]}
+    return {
+        "plain step": best["plain"],
+        "module hooks": (best["hooks"] - best["plain"]) / k,
+        "post-backward": (best["post"] - best["hooks"]) / k,
+        "pre-backward": (best["pre"] - best["hooks"]) / k,
+        "DTensor optimizer": (best["opt dtensor"] - best["opt plain"]) / k,
+    }
+
+
+def format_table(k: int, result: dict[str, float]) -> str:
+    lines = [f"world_size=1 K={k}: plain step {result['plain step']:.0f} µs (thread CPU)", f"{'mechanism':<20} {'µs/unit':>8}"]
+    lines += [f"{name:<20} {result[name]:>8.1f}" for name in MECHANISMS]
+    lines.append(f"{'floor (sum)':<20} {sum(result[name] for name in MECHANISMS):>8.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead_floor", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: K=4, 10 steps")
+    parser.add_argument("--k", type=int, default=None, help="units (default 48)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 200)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3)")
+    args = parser.parse_args(argv)
+    k = args.k or (4 if args.quick else 48)
+    steps = args.steps or (10 if args.quick else 200)
+    rounds = args.rounds or (1 if args.quick else 3)
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()
+    store = _loopback_store()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        print(format_table(k, measure(k, steps, init_device_mesh("cpu", (1,)), rounds)), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
