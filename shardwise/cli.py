@@ -71,6 +71,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     _add_parallel_args(p, d)
     _add_watch_args(p, d)
     _add_checkpoint_args(p, d)
+    _add_fault_tolerance_args(p, d)
     add("--auto", action="store_true",
         help="shard as shardwise.plan says and report predicted vs measured peak memory")
     add("-v", "--verbose", action="store_true", help="log set-up details from every rank")
@@ -127,6 +128,23 @@ def _add_checkpoint_args(p: argparse.ArgumentParser, d) -> None:
                    help="write checkpoints in the background (dcp.async_save); steps wait only for the copy")
     g.add_argument("--stop-after", type=int, metavar="STEP",
                    help="end after STEP (checkpointed) though the LR schedule spans --steps; resume later")
+
+
+def _add_fault_tolerance_args(p: argparse.ArgumentParser, d) -> None:
+    from shardwise.train.fault_tolerance import FAULT_TOLERANCE
+
+    g = p.add_argument_group("fault tolerance across replica groups (torchft; see shardwise.train.fault_tolerance)")
+    g.add_argument("--fault-tolerance", choices=FAULT_TOLERANCE, default=d.fault_tolerance,
+                   help="torchft: this job is one replica group; groups that die are dropped per step and healed "
+                        "from a live one when they come back (default %(default)s)")
+    g.add_argument("--replica-groups", type=int, metavar="R", help="replica groups the job starts with "
+                   "(default $NUM_REPLICA_GROUPS)")
+    g.add_argument("--replica-group-id", type=int, metavar="I", help="which group this job is (default $REPLICA_GROUP_ID)")
+    g.add_argument("--lighthouse", metavar="URL", help="torchft's lighthouse, http://HOST:PORT (default $TORCHFT_LIGHTHOUSE)")
+    g.add_argument("--async-quorum", action="store_true",
+                   help="compute each step's quorum and heal during forward (torchtitan's default)")
+    g.add_argument("--ft-timeout-s", type=float, default=d.ft_timeout_s, metavar="S",
+                   help="torchft's timeout for quorums, collectives across groups and heals (default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
