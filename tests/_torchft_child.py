@@ -8,11 +8,16 @@ replica groups in the quorum, whether it healed, the wall clock) and, after each
 ``DUMP_STEPS`` (comma-separated), ``OUT/dp<R>-step<S>.pt``: this rank's local parameter
 shards and AdamW state, by parameter name. ``R`` is the rank's slice of the global batch
 (``replica_group * group_size + rank``), the same name in a one-job ``--replicate`` run.
+
+``$TEST_GO_FILE``: wait for this file before starting (a replacement group launched before the
+kill it replaces, so that the test does not wait for its imports). ``$TEST_ALONE_STEP_S``: seconds to wait after each step run with fewer replica groups than
+the job started with, so that a survivor does not finish before the restarted group is up.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,8 +39,16 @@ def local_state(job) -> dict:
     return {"model": {n: _local(p.detach()).clone() for n, p in params.items()}, "optimizer": optim}
 
 
+def _wait_for_go() -> None:
+    """``$TEST_GO_FILE``: a replacement started ahead of time (its imports paid) waits here for it."""
+    go = os.environ.get("TEST_GO_FILE")
+    while go and not Path(go).exists():
+        time.sleep(0.02)
+
+
 def main() -> None:
     out, dump_steps, argv = Path(sys.argv[1]), {int(s) for s in sys.argv[2].split(",") if s}, sys.argv[3:]
+    _wait_for_go()
     cfg = _train_config(build_parser().parse_args(["train", *argv]))
     env = distributed.setup(cfg.device, replicate=cfg.replicate)
     dp = (cfg.replica_group_id or 0) * env.world_size + env.rank
@@ -60,6 +73,8 @@ def main() -> None:
         log.write(json.dumps(record) + "\n")
         if step in dump_steps:
             torch.save(local_state(job), out / f"dp{dp}-step{step}.pt")
+        if ft is not None and record["groups"] < ft.group.groups:  # a survivor alone: give the replacement time
+            time.sleep(float(os.environ.get("TEST_ALONE_STEP_S", "0")))
 
     loop.train(cfg, env, on_step=on_step)
     distributed.teardown(env)

@@ -65,6 +65,9 @@ logger = logging.getLogger(__name__)
 FAULT_TOLERANCE = ("none", "torchft")
 """Values of ``--fault-tolerance``."""
 
+_JOIN_POLL_S = 0.05
+"""Seconds between a fresh job's quorum tries while it waits for all replica groups."""
+
 ENV_GROUP_ID, ENV_GROUPS, ENV_LIGHTHOUSE = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
 """torchft's (and torchtitan's) environment variables; the flags win over them."""
 
@@ -329,17 +332,23 @@ class Replicas:
         """A fresh job's first quorum waits until all ``R`` groups are in it (or a peer has already
         committed steps: then this group is a replacement and heals), so that a run without
         failures starts as ``--replicate R`` would. The lighthouse alone would start with
-        whichever groups were heartbeating first."""
-        deadline = time.monotonic() + self.join_timeout_s
-        while True:
+        whichever groups were heartbeating first. With ``--async-quorum`` too: the step-0 heal
+        (torchft's ``init_sync``) is then fetched during the first forward, and the healing
+        groups add zeros to the first step's average (torchft's rule for a healing group).
+
+        Every rank of the group must make the same number of quorum calls (the group's manager
+        waits for all of them), so the wait is bounded by a count of tries, never by each
+        rank's clock: the quorum's answer and the count are the same on every rank.
+        """
+        for attempt in range(max(1, int(self.join_timeout_s / _JOIN_POLL_S))):
+            if attempt:
+                time.sleep(_JOIN_POLL_S)
             self.manager.start_quorum()
-            if self.step > 0 or self.participants >= self.group.groups or self.async_quorum:
+            if self.participants >= self.group.groups or self.step > 0:  # participants waits for the quorum
                 break
-            if time.monotonic() > deadline:
-                logger.warning("only %d of %d replica groups joined within %.0f s; training with them",
-                               self.participants, self.group.groups, self.join_timeout_s)
-                break
-            time.sleep(0.05)
+        else:
+            logger.warning("only %d of %d replica groups joined within about %.0f s; training with them",
+                           self.participants, self.group.groups, self.join_timeout_s)
         self.joined = True
 
     @property
