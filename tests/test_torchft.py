@@ -29,11 +29,20 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+
+from shardwise.testing import run_on_ranks
+from shardwise.train import distributed
+from shardwise.train.config import TrainConfig
+from shardwise.train.data import BatchSampler
+from shardwise.train.fault_tolerance import HealState
+from shardwise.train.loop import build_model, build_optimizer, train_step
+from shardwise.train.models import model_spec
+from shardwise.train.schedule import build_scheduler
 
 pytest.importorskip("torchft")
 
@@ -44,6 +53,50 @@ ALONE_STEP_S = 0.25  # a survivor's pace while alone: the restarted group (~5-10
 TRAIN = ["--model", "nano", "--batch-size", "2", "--seq-len", "16", "--data-bytes", "20000", "--device", "cpu",
          "--lr-schedule", "cosine", "--warmup-steps", "2"]
 TIMEOUT = 240
+
+
+def _two_steps(serve_mid_forward: bool) -> dict:
+    """Two steps of the nano GPT on this rank; with ``serve_mid_forward`` a second thread asks for
+    the heal state in the middle of step 2's forward (inside block 1, between attention and MLP),
+    as torchft's quorum thread does with ``--async-quorum``, and copies what it is served."""
+    cfg = TrainConfig(model="nano", batch_size=2, seq_len=16, device="cpu")
+    env = distributed.setup("cpu")
+    spec = model_spec(cfg)
+    model = build_model(cfg, env, spec)
+    optimizer = build_optimizer(model, cfg.lr)
+    tokens = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    sampler = BatchSampler(tokens, 2, 16, 0, env.rank, env.world_size)
+    heal = HealState(model, optimizer, build_scheduler(optimizer, "constant", 0, 2), sampler)
+    train_step(model, optimizer, *sampler.next_batch())
+    heal.stage()
+    at_boundary = {k: v.clone() for k, v in heal.state_dict()["model"].items()}
+    served: list[dict] = []
+
+    def serve(*_):
+        thread = threading.Thread(target=lambda: served.append(
+            {k: v.clone() for k, v in heal.state_dict()["model"].items()}))
+        thread.start()
+        thread.join()
+
+    if serve_mid_forward:
+        model.layers[1].attn.register_forward_hook(serve)
+    loss, _ = train_step(model, optimizer, *sampler.next_batch())
+    return {"loss": loss.item(), "shards": {n: p.to_local().clone() for n, p in model.named_parameters()},
+            "served": served, "at_boundary": at_boundary}
+
+
+def test_the_heal_state_served_mid_forward_is_the_step_boundarys_and_leaves_the_step_alone():
+    """The root of "asynchronous quorum breaks with a step-0 heal": torchft's quorum thread builds
+    the state to send while the training thread is in forward. A ``model.state_dict()`` there
+    reshards every group under the running forward (this test then fails: the block's MLP meets
+    its sharded parameters); the staged state is only read."""
+    plain, served = run_on_ranks(_two_steps, 2, False), run_on_ranks(_two_steps, 2, True)
+    for rank in range(2):
+        assert served[rank]["loss"] == plain[rank]["loss"]
+        assert all(torch.equal(t, plain[rank]["shards"][n]) for n, t in served[rank]["shards"].items())
+        (what,) = served[rank]["served"]
+        assert list(what) == list(served[rank]["at_boundary"])
+        assert all(torch.equal(t, served[rank]["at_boundary"][n]) for n, t in what.items())
 
 
 def _free_port() -> int:
