@@ -1,17 +1,19 @@
-"""One rank of ``shardwise train`` for tests/test_torchft.py, launched by torchrun.
+"""One rank of ``shardwise train`` for tests/test_torchft.py: under torchrun (a replica group), or
+in a warm pool rank (:func:`reference`, a one-job run to compare with).
 
     python -m torch.distributed.run ... tests/_torchft_child.py OUT DUMP_STEPS <shardwise train flags>
 
-Runs :func:`shardwise.train.loop.train` as ``shardwise train`` would, and writes what the
-test compares: ``OUT/dp<R>.jsonl`` (one line per committed step: this rank's loss, the
-replica groups in the quorum, whether it healed, the wall clock) and, after each step in
-``DUMP_STEPS`` (comma-separated), ``OUT/dp<R>-step<S>.pt``: this rank's local parameter
-shards and AdamW state, by parameter name. ``R`` is the rank's slice of the global batch
-(``replica_group * group_size + rank``), the same name in a one-job ``--replicate`` run.
+Runs :func:`shardwise.train.loop.train` as ``shardwise train`` would, and records what the
+test compares: ``OUT/dp<R>.jsonl`` (one line per committed step, written as it goes: this
+rank's loss, the replica groups in the quorum, whether it healed, the wall clock) and, after
+each step in ``DUMP_STEPS`` (comma-separated), ``OUT/dp<R>-step<S>.pt``: this rank's local
+parameter shards and AdamW state, by parameter name. ``R`` is the rank's slice of the global
+batch (``replica_group * group_size + rank``), the same name in a one-job ``--replicate`` run.
 
 ``$TEST_GO_FILE``: wait for this file before starting (a replacement group launched before the
-kill it replaces, so that the test does not wait for its imports). ``$TEST_ALONE_STEP_S``: seconds to wait after each step run with fewer replica groups than
-the job started with, so that a survivor does not finish before the restarted group is up.
+kill it replaces, so that the test does not wait for its imports). ``$TEST_ALONE_STEP_S``: seconds
+to wait after each step run with fewer replica groups than the job started with, so that a
+survivor does not run out of steps before the restarted group is up.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -39,19 +42,11 @@ def local_state(job) -> dict:
     return {"model": {n: _local(p.detach()).clone() for n, p in params.items()}, "optimizer": optim}
 
 
-def _wait_for_go() -> None:
-    """``$TEST_GO_FILE``: a replacement started ahead of time (its imports paid) waits here for it."""
-    go = os.environ.get("TEST_GO_FILE")
-    while go and not Path(go).exists():
-        time.sleep(0.02)
-
-
-def main() -> None:
-    out, dump_steps, argv = Path(sys.argv[1]), {int(s) for s in sys.argv[2].split(",") if s}, sys.argv[3:]
-    _wait_for_go()
+def run(argv: list[str], dump_steps: set[int], write: Callable[[dict], None],
+        save: Callable[[int, dict], None]) -> distributed.DistEnv:
+    """``shardwise train <argv>`` on this rank, each committed step written and the dumps saved."""
     cfg = _train_config(build_parser().parse_args(["train", *argv]))
-    env = distributed.setup(cfg.device, replicate=cfg.replicate)
-    dp = (cfg.replica_group_id or 0) * env.world_size + env.rank
+    env = distributed.setup(cfg.device, num_threads=1, replicate=cfg.replicate)  # the same kernels everywhere
     jobs = []
     setup_run = loop._setup_run
 
@@ -60,23 +55,48 @@ def main() -> None:
         jobs.append(job)
         return job, start
 
-    loop._setup_run = capture
-    log = (out / f"dp{dp}.jsonl").open("a", buffering=1)
-
     def on_step(step: int, loss: float, _tokens_per_s: float) -> None:
-        job = jobs[0]
-        ft = job.replicas
+        ft = jobs[0].replicas
         record = {"step": step, "loss": loss, "t": time.time()}
         if ft is not None:
             record.update(groups=ft.participants, healed=ft.healed_this_step, quorum_s=ft.quorum_s,
                           heal_bytes=ft.heal.last_heal_bytes if ft.healed_this_step else 0)
-        log.write(json.dumps(record) + "\n")
+        write(record)
         if step in dump_steps:
-            torch.save(local_state(job), out / f"dp{dp}-step{step}.pt")
+            save(step, local_state(jobs[0]))
         if ft is not None and record["groups"] < ft.group.groups:  # a survivor alone: give the replacement time
             time.sleep(float(os.environ.get("TEST_ALONE_STEP_S", "0")))
 
-    loop.train(cfg, env, on_step=on_step)
+    loop._setup_run = capture
+    try:
+        loop.train(cfg, env, on_step=on_step)
+    finally:
+        loop._setup_run = setup_run
+    return env
+
+
+def reference(argv: list[str], dump_steps: list[int]) -> tuple[int, dict[int, float], dict[int, dict]]:
+    """A pool rank's run (one job, no fault tolerance): ``(its rank = its data slice, losses and dumps by step)``."""
+    losses, dumps = {}, {}
+    env = run(argv, set(dump_steps), lambda r: losses.__setitem__(r["step"], r["loss"]), dumps.__setitem__)
+    return env.rank, losses, dumps
+
+
+def _wait_for_go() -> None:
+    go = os.environ.get("TEST_GO_FILE")
+    while go and not Path(go).exists():
+        time.sleep(0.02)
+
+
+def main() -> None:
+    out, dump_steps, argv = Path(sys.argv[1]), {int(s) for s in sys.argv[2].split(",") if s}, sys.argv[3:]
+    _wait_for_go()
+    rank = int(os.environ["RANK"])
+    group = int(argv[argv.index("--replica-group-id") + 1]) if "--replica-group-id" in argv else 0
+    dp = group * int(os.environ["WORLD_SIZE"]) + rank
+    log = (out / f"dp{dp}.jsonl").open("a", buffering=1)
+    env = run(argv, dump_steps, lambda record: log.write(json.dumps(record) + "\n"),
+              lambda step, state: torch.save(state, out / f"dp{dp}-step{step}.pt"))
     distributed.teardown(env)
 
 
