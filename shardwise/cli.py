@@ -11,6 +11,8 @@ for you, which in turn runs this same command once per rank::
     shardwise train --nproc 4 --hf-config llama.json --replicate 2 --ac full --grad-accum 2 \
         --clip-norm 1 --tensorboard runs/a --checkpoint-dir ckpt
     shardwise export ckpt out/            # a directory AutoModelForCausalLM.from_pretrained reads
+    torchft_lighthouse --min_replicas 1 &  # then each replica group (torchft's fault-tolerant HSDP):
+    shardwise train --fault-tolerance torchft --replica-groups 2 --replica-group-id 0 --lighthouse http://localhost:29510
 
 Under torchrun (``RANK``/``LOCAL_RANK`` are set) it trains directly, so this works too::
 
@@ -189,14 +191,16 @@ def _train_config(args: argparse.Namespace):
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
 
 
-def _child_env(nproc: int) -> dict[str, str]:
-    """Environment for the ranks: this shardwise importable, and the CPU cores split between them."""
+def _child_env(nproc: int, verbose: bool = False) -> dict[str, str]:
+    """Environment for the ranks: this shardwise importable, the CPU cores split between them, and
+    torchft's servers (Rust) logging warnings only unless ``-v`` (else a line per quorum and commit)."""
     from shardwise.train.distributed import cpu_threads_per_rank
 
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_rank(nproc)))
+    env.setdefault("RUST_LOG", "info" if verbose else "warn")
     return env
 
 
@@ -224,7 +228,8 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "shardwise", *_without_nproc(argv)]
     try:
-        return subprocess.run(cmd, env=_child_env(nproc)).returncode
+        verbose = any(arg in ("-v", "--verbose") for arg in argv)
+        return subprocess.run(cmd, env=_child_env(nproc, verbose)).returncode
     except KeyboardInterrupt:
         return 130
 

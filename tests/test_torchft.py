@@ -181,7 +181,7 @@ class Run:
         out = self.tmp / name
         out.mkdir()
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SHARDWISE_FAULT")}
-        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TEST_ALONE_STEP_S=str(alone_step_s))
+        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TEST_ALONE_STEP_S=str(alone_step_s), RUST_LOG="warn")
         if fault:
             env["SHARDWISE_FAULT"] = fault
         if go:
