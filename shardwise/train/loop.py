@@ -41,8 +41,8 @@ from shardwise.train.checkpointing import RunCheckpoints
 from shardwise.train.config import TrainConfig, TrainResult
 from shardwise.train.data import BatchSampler, load_corpus
 from shardwise.train.distributed import DistEnv, setup, teardown
-from shardwise.train.float8 import precompute_scales
 from shardwise.train.fault_tolerance import Replicas, attach, replica_group
+from shardwise.train.float8 import precompute_scales
 from shardwise.train.metrics import MetricsLog
 from shardwise.train.model import GPT
 from shardwise.train.models import ModelSpec, model_spec, param_count
@@ -329,7 +329,7 @@ def _setup_run(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[_Run, i
                        after_step=precompute_scales if cfg.float8 else None)
     replicas = None
     if cfg.fault_tolerance == "torchft":
-        replicas = attach(cfg, env, model, optimizer, scheduler, sampler, start_step)
+        replicas = attach(cfg, env, model, optimizer, scheduler, sampler, start_step, after_load=opts.after_step)
     job = _Run(model, optimizer if replicas is None else replicas.gate, scheduler, sampler, checkpoints,
                MetricsLog(cfg.metrics, env.is_main), tensorboard, opts, held_out, replicas=replicas)
     return job, start_step

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from shardwise.train.checkpointing import check_same_model
 from shardwise.train.config import TrainConfig
-from shardwise.train.float8 import check_float8_device, require_torchao
 from shardwise.train.fault_tolerance import require_torchft
+from shardwise.train.float8 import check_float8_device, require_torchao
 from shardwise.train.models import ModelSpec, model_spec
 from shardwise.train.tensorboard import require_tensorboard
 
