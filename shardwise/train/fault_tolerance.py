@@ -149,16 +149,13 @@ class HealState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: "BatchSampler"
     params: dict[str, torch.Tensor]  # fqn -> the sharded parameter (a DTensor), in state-dict order
-    after_load: Callable[[nn.Module], None] | None  # what follows a change of weights (--float8: the scales)
     staged: dict[str, Any] | None  # what a peer is served: None until the first stage()
     healed: int  # how many times this process loaded a peer's state
     last_heal_bytes: int  # tensor bytes of the last state loaded
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, sampler: "BatchSampler",
-                 after_load: Callable[[nn.Module], None] | None = None) -> None:
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, sampler: "BatchSampler") -> None:
         self.model, self.optimizer, self.scheduler, self.sampler = model, optimizer, scheduler, sampler
-        self.after_load = after_load
         self.params = dict(model.named_parameters())
         self.staged = None
         self.healed = 0
@@ -197,8 +194,6 @@ class HealState:
                 raise ValueError(f"fault_tolerance: {fqn} is {tuple(value.shape)} on the peer, {tuple(local.shape)} "
                                  "here: every replica group must have the same number of ranks")
             local.copy_(value)
-        if self.after_load is not None:
-            self.after_load(self.model)
         by_index = list(self.params.values())
         optim_state = {i: {k: _like_param(v, by_index[i]) for k, v in s.items()}
                        for i, s in state["optimizer"]["state"].items()}
@@ -268,7 +263,7 @@ class Replicas:
 
     The loop calls :meth:`begin_step` before drawing a batch, trains with :attr:`gate` as its
     optimizer, then :meth:`end_step` (which rewinds the data position when the step was
-    discarded) and, on a commit, ``heal.stage()``. :attr:`step` is the job's committed step
+    discarded) and, on a commit, :meth:`stage`. :attr:`step` is the job's committed step
     count (torchft's, which a heal brings along).
     """
 
@@ -398,9 +393,6 @@ def _set_all_reduce_hooks(model: nn.Module, hook: Callable[[torch.Tensor], None]
 
 
 def attach(cfg: "TrainConfig", env: "DistEnv", model: nn.Module, optimizer: torch.optim.Optimizer,
-           scheduler: torch.optim.lr_scheduler.LRScheduler, sampler: "BatchSampler", start_step: int,
-           after_load: Callable[[nn.Module], None] | None = None) -> Replicas:
-    """This rank's :class:`Replicas` for ``--fault-tolerance torchft``; ``after_load`` runs after a
-    heal has replaced the weights, as after an optimizer step (``--float8``: precompute the scales)."""
-    heal = HealState(model, optimizer, scheduler, sampler, after_load)
-    return Replicas(cfg, env, replica_group(cfg), heal, model, start_step)
+           scheduler: torch.optim.lr_scheduler.LRScheduler, sampler: "BatchSampler", start_step: int) -> Replicas:
+    """This rank's :class:`Replicas` for ``--fault-tolerance torchft``."""
+    return Replicas(cfg, env, replica_group(cfg), HealState(model, optimizer, scheduler, sampler), model, start_step)

@@ -329,7 +329,7 @@ def _setup_run(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[_Run, i
                        after_step=precompute_scales if cfg.float8 else None)
     replicas = None
     if cfg.fault_tolerance == "torchft":
-        replicas = attach(cfg, env, model, optimizer, scheduler, sampler, start_step, after_load=opts.after_step)
+        replicas = attach(cfg, env, model, optimizer, scheduler, sampler, start_step)
     job = _Run(model, optimizer if replicas is None else replicas.gate, scheduler, sampler, checkpoints,
                MetricsLog(cfg.metrics, env.is_main), tensorboard, opts, held_out, replicas=replicas)
     return job, start_step
