@@ -246,7 +246,7 @@ def _assert_contiguous(records: list[dict], first: int, last: int, who: str) -> 
 
 def test_sync_quorum_survives_a_kill_mid_step_and_one_between_steps_and_heals_exactly(tmp_path):
     kill, dump = 6, 5  # group 1 dies inside step 6's all-reduce across groups, then restarts
-    kill2 = kill + 50  # group 0 dies after step 56's optimizer step: the healed group finishes alone
+    kill2 = kill + 30  # group 0 dies after step 36's optimizer step: the healed group finishes alone
     steps = kill2 + 6
     lighthouse = Lighthouse(tmp_path / "lighthouse.log")
     run, go = Run(tmp_path), tmp_path / "go"
@@ -307,17 +307,15 @@ def test_async_quorum_heals_at_step_0(tmp_path):
     steps = 3
     lighthouse = Lighthouse(tmp_path / "lighthouse.log")
     run = Run(tmp_path)
-    try:
-        jobs = [run.launch(f"g{g}", 2, steps, [steps], *_ft(g, lighthouse, "--async-quorum", "--seed", str(g)))
+    try:  # groups of one rank: the cheapest launch that has a step-0 heal
+        jobs = [run.launch(f"g{g}", 1, steps, [steps], *_ft(g, lighthouse, "--async-quorum", "--seed", str(g)))
                 for g in (0, 1)]  # other weights and data: only a heal makes them equal
         for job in jobs:
             run.wait(job)
     finally:
         run.stop()
         lighthouse.stop()
-    # torchft's init_sync: at step 0 each group rank heals from the group its rank picks (rank 0 from group 0,
-    # rank 1 from group 1), during the first step; from then on the groups agree
-    healed = {dp: [r["healed"] for r in run.records(f"g{dp // 2}", dp)] for dp in range(4)}
-    assert healed == {0: [False] * 3, 1: [True, False, False], 2: [True, False, False], 3: [False] * 3}, healed
-    for a, b in ((0, 2), (1, 3)):
-        _assert_same_state(run.state("g0", a, steps), run.state("g1", b, steps), f"dp{a} vs dp{b} at step {steps}")
+    # torchft's init_sync: group 1 takes group 0's state during the first step; from then on they agree
+    assert [r["healed"] for r in run.records("g1", 1)] == [True, False, False]
+    assert not any(r["healed"] for r in run.records("g0", 0))
+    _assert_same_state(run.state("g0", 0, steps), run.state("g1", 1, steps), f"the groups at step {steps}")
