@@ -19,6 +19,10 @@ the groups, step by step, which of them are alive. Every step:
 A group that joins late or restarts after a crash *heals*: torchft fetches a live peer's
 state over HTTP and :class:`HealState` loads it (model shards, AdamW, LR schedule, data
 position, RNG) with no checkpoint read. The step count travels inside torchft's own state.
+torchft heals rank by rank (group rank ``r`` from rank ``r`` of a live group) and at step 0
+(its ``init_sync``) picks the source group by ``r``: ranks of one group may heal from
+different groups. Every group must therefore run the same flags (same ``--seed``), and a
+heal must never enter a collective of the group (only some of its ranks heal).
 
 Staging (why asynchronous quorum works). The peer serves its state from torchft's quorum
 thread while its training thread is already in the next forward. Calling
