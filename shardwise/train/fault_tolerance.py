@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
@@ -68,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 FAULT_TOLERANCE = ("none", "torchft")
 """Values of ``--fault-tolerance``."""
+
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 _JOIN_POLL_S = 0.05
 """Seconds between a fresh job's quorum tries while it waits for all replica groups."""
@@ -254,12 +257,16 @@ def _process_group(device: torch.device, timeout: timedelta):
 
 
 def _store_address() -> tuple[str, int]:
-    """The replica group's own c10d store (torchrun's ``MASTER_ADDR:MASTER_PORT``): torchft keeps its keys there."""
+    """The replica group's own c10d store (torchrun's ``MASTER_ADDR:MASTER_PORT``): torchft keeps its keys
+    there, and the other groups meet there when this group is the quorum's primary. ``torchrun
+    --standalone`` names it ``localhost``, which another machine cannot reach: it is advertised by
+    this host's name instead, as torchft advertises its manager and heal server."""
     try:
-        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     except KeyError:
         raise RuntimeError("--fault-tolerance torchft runs each replica group under torchrun (MASTER_ADDR and "
                            "MASTER_PORT name the group's store); launch it with `shardwise train` or torchrun") from None
+    return (socket.gethostname() if addr in _LOOPBACK else addr), port
 
 
 class Replicas:
