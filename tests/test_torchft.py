@@ -18,6 +18,10 @@ the healed group finishes alone, AdamW's step count saying no step was applied t
 Asynchronous quorum (torchtitan's default): two groups started from different seeds end equal
 only through the step-0 heal. The root cause of that setting breaking (the state to send built
 from the model while the training thread is in forward) has its own deterministic test.
+
+Two hosts (opt-in, ``SHARDWISE_NETNS_TORCHFT=1``, about 30 s; needs root and ``ip netns``): one
+group per network namespace; host 1's link is cut, group 0 goes on alone, the link comes back
+and the same command heals and trains in step.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -179,7 +184,8 @@ class Run:
         self.jobs: list[subprocess.Popen] = []
 
     def launch(self, name: str, nproc: int, steps: int, dumps: list[int], *flags: str, fault: str | None = None,
-               go: Path | None = None, alone_step_s: float = 0.0) -> subprocess.Popen:
+               go: Path | None = None, alone_step_s: float = 0.0, gloo_ifname: str | None = None,
+               wrap=lambda cmd: cmd) -> subprocess.Popen:
         out = self.tmp / name
         out.mkdir()
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SHARDWISE_FAULT")}
@@ -188,10 +194,12 @@ class Run:
             env["SHARDWISE_FAULT"] = fault
         if go:
             env["TEST_GO_FILE"] = str(go)
+        if gloo_ifname:
+            env["GLOO_SOCKET_IFNAME"] = gloo_ifname
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "--max-restarts=0", str(CHILD), str(out), ",".join(map(str, dumps)), *TRAIN, "--steps", str(steps),
                *flags]
-        job = subprocess.Popen(cmd, env=env, stdout=(self.tmp / f"{name}.log").open("w"), stderr=subprocess.STDOUT,
+        job = subprocess.Popen(wrap(cmd), env=env, stdout=(self.tmp / f"{name}.log").open("w"), stderr=subprocess.STDOUT,
                                start_new_session=True)
         self.jobs.append(job)
         return job
@@ -319,3 +327,87 @@ def test_async_quorum_heals_at_step_0(tmp_path):
     assert [r["healed"] for r in run.records("g1", 1)] == [True, False, False]
     assert not any(r["healed"] for r in run.records("g0", 0))
     _assert_same_state(run.state("g0", 0, steps), run.state("g1", 1, steps), f"the groups at step {steps}")
+
+
+def _wait_for(predicate, timeout: float, what: str, run: Run) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout} s:\n{run.tail()}")
+        time.sleep(0.05)
+
+
+def _logged(run: Run, name: str, dp: int) -> list[dict]:
+    path = run.tmp / name / f"dp{dp}.jsonl"
+    return run.records(name, dp) if path.exists() and path.read_text().endswith("\n") else []
+
+
+@pytest.mark.skipif(os.environ.get("SHARDWISE_NETNS_TORCHFT") != "1",
+                    reason="opt-in (about 30 s): SHARDWISE_NETNS_TORCHFT=1 runs the two-host torchft test")
+def test_two_hosts_a_cut_link_drops_a_group_which_rejoins_by_healing(tmp_path):
+    """Two network namespaces (tests/test_multihost.py's hosts), one replica group of 2 ranks on
+    each, each namespace with its own host name (torchft advertises ``hostname``). Cutting host
+    1's link drops its group (the survivor's collective across groups times out, the quorum goes
+    on without it); with the link back, the same command heals from the survivor and trains in step."""
+    from test_multihost import Hosts, _namespaces_unavailable
+
+    reason = _namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    steps, ft_timeout = 40, 5
+    hosts = Hosts()
+    names = [f"{ns}-host" for ns in hosts.names]
+    etc = [Path("/etc/netns") / ns for ns in hosts.names]  # `ip netns exec` mounts these over /etc
+    run, port = Run(tmp_path), _free_port()
+    lighthouse = None
+    try:
+        for d in etc:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
+                f"{hosts.addr(i)} {n}\n" for i, n in enumerate(names)))
+
+        def on_host(h: int, *cmd: str) -> list[str]:
+            return ["ip", "netns", "exec", hosts.names[h], "unshare", "--uts", "sh", "-c",
+                    f'hostname {names[h]} && exec "$0" "$@"', *cmd]
+
+        exe = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
+        lighthouse = subprocess.Popen(
+            on_host(0, exe, "--min_replicas", "1", "--bind", f"[::]:{port}", "--heartbeat_timeout_ms",
+                    str(HEARTBEAT_MS)), stdout=(tmp_path / "lighthouse.log").open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+        flags = lambda h: ["--fault-tolerance", "torchft", "--replica-groups", "2", "--replica-group-id", str(h),
+                           "--lighthouse", f"http://{hosts.addr(0)}:{port}", "--ft-timeout-s", str(ft_timeout)]
+
+        def group(h: int, name: str, alone_step_s: float = 0.0) -> subprocess.Popen:
+            job = run.launch(name, 2, steps, [steps], *flags(h), alone_step_s=alone_step_s,
+                             gloo_ifname=hosts.links[h], wrap=lambda cmd: on_host(h, *cmd))
+            return job
+
+        survivor, cut = group(0, "g0", alone_step_s=ALONE_STEP_S), group(1, "g1")
+        _wait_for(lambda: len(_logged(run, "g0", 0)) >= 5, TIMEOUT, "group 0 did not log 5 steps", run)
+        hosts.cut(1)
+        _wait_for(lambda: sum(r["groups"] == 1 for r in _logged(run, "g0", 0)) >= 3, 6 * ft_timeout + 30,
+                  "group 0 did not go on alone", run)
+        _kill_job(cut)  # if its own timeouts have not ended it yet
+        hosts.bring_back(1)
+        back = group(1, "g1b")
+        for job in (survivor, back):
+            run.wait(job)
+    finally:
+        run.stop()
+        if lighthouse is not None:
+            _kill_job(lighthouse)
+        hosts.remove()
+        for d in etc:
+            shutil.rmtree(d, ignore_errors=True)
+
+    records = run.records("g0", 0)
+    _assert_contiguous(records, 1, steps, "group 0")
+    healed = run.records("g1b", 2)
+    assert healed[0]["healed"], healed[0]
+    _assert_contiguous(healed, healed[0]["step"], steps, "the group that came back")
+    for a, b in ((0, 2), (1, 3)):
+        _assert_same_state(run.state("g0", a, steps), run.state("g1b", b, steps), f"dp{a} vs dp{b} at the end")
+    slowest = max(b["t"] - a["t"] for a, b in zip(records, records[1:]) if b["groups"] == 1)
+    print(f"\ngroup 0's slowest step alone: {slowest:.1f} s (collective timeout {ft_timeout} s); "
+          f"group 1 healed at step {healed[0]['step']}")
