@@ -254,7 +254,7 @@ def _assert_contiguous(records: list[dict], first: int, last: int, who: str) -> 
 
 def test_sync_quorum_survives_a_kill_mid_step_and_one_between_steps_and_heals_exactly(tmp_path):
     kill, dump = 6, 5  # group 1 dies inside step 6's all-reduce across groups, then restarts
-    kill2 = kill + 30  # group 0 dies after step 36's optimizer step: the healed group finishes alone
+    kill2 = kill + 40  # group 0 dies after step 46's optimizer step: the healed group finishes alone
     steps = kill2 + 6
     lighthouse = Lighthouse(tmp_path / "lighthouse.log")
     run, go = Run(tmp_path), tmp_path / "go"
