@@ -11,6 +11,8 @@ for you, which in turn runs this same command once per rank::
     shardwise train --nproc 4 --hf-config llama.json --replicate 2 --ac full --grad-accum 2 \
         --clip-norm 1 --tensorboard runs/a --checkpoint-dir ckpt
     shardwise export ckpt out/            # a directory AutoModelForCausalLM.from_pretrained reads
+    torchft_lighthouse --min_replicas 1 &  # then each replica group (torchft's fault-tolerant HSDP):
+    shardwise train --fault-tolerance torchft --replica-groups 2 --replica-group-id 0 --lighthouse http://localhost:29510
 
 Under torchrun (``RANK``/``LOCAL_RANK`` are set) it trains directly, so this works too::
 
@@ -71,6 +73,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     _add_parallel_args(p, d)
     _add_watch_args(p, d)
     _add_checkpoint_args(p, d)
+    _add_fault_tolerance_args(p, d)
     add("--auto", action="store_true",
         help="shard as shardwise.plan says and report predicted vs measured peak memory")
     add("-v", "--verbose", action="store_true", help="log set-up details from every rank")
@@ -129,6 +132,23 @@ def _add_checkpoint_args(p: argparse.ArgumentParser, d) -> None:
                    help="end after STEP (checkpointed) though the LR schedule spans --steps; resume later")
 
 
+def _add_fault_tolerance_args(p: argparse.ArgumentParser, d) -> None:
+    from shardwise.train.fault_tolerance import FAULT_TOLERANCE
+
+    g = p.add_argument_group("fault tolerance across replica groups (torchft; see shardwise.train.fault_tolerance)")
+    g.add_argument("--fault-tolerance", choices=FAULT_TOLERANCE, default=d.fault_tolerance,
+                   help="torchft: this job is one replica group; groups that die are dropped per step and healed "
+                        "from a live one when they come back (default %(default)s)")
+    g.add_argument("--replica-groups", type=int, metavar="R", help="replica groups the job starts with "
+                   "(default $NUM_REPLICA_GROUPS)")
+    g.add_argument("--replica-group-id", type=int, metavar="I", help="which group this job is (default $REPLICA_GROUP_ID)")
+    g.add_argument("--lighthouse", metavar="URL", help="torchft's lighthouse, http://HOST:PORT (default $TORCHFT_LIGHTHOUSE)")
+    g.add_argument("--async-quorum", action="store_true",
+                   help="compute each step's quorum and heal during forward (torchtitan's default)")
+    g.add_argument("--ft-timeout-s", type=float, default=d.ft_timeout_s, metavar="S",
+                   help="torchft's timeout for quorums, collectives across groups and heals (default %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``shardwise <command> [options]``: ``train``, ``plan``, ``report``, ``export``."""
     parser = argparse.ArgumentParser(prog="shardwise", description="Fully-sharded data parallel training.")
@@ -171,14 +191,16 @@ def _train_config(args: argparse.Namespace):
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
 
 
-def _child_env(nproc: int) -> dict[str, str]:
-    """Environment for the ranks: this shardwise importable, and the CPU cores split between them."""
+def _child_env(nproc: int, verbose: bool = False) -> dict[str, str]:
+    """Environment for the ranks: this shardwise importable, the CPU cores split between them, and
+    torchft's servers (Rust) logging warnings only unless ``-v`` (else a line per quorum and commit)."""
     from shardwise.train.distributed import cpu_threads_per_rank
 
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_rank(nproc)))
+    env.setdefault("RUST_LOG", "info" if verbose else "warn")
     return env
 
 
@@ -206,7 +228,8 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "shardwise", *_without_nproc(argv)]
     try:
-        return subprocess.run(cmd, env=_child_env(nproc)).returncode
+        verbose = any(arg in ("-v", "--verbose") for arg in argv)
+        return subprocess.run(cmd, env=_child_env(nproc, verbose)).returncode
     except KeyboardInterrupt:
         return 130
 

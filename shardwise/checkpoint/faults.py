@@ -35,6 +35,7 @@ POINTS = (
     "ckpt_before_pointer_replace",  # new pointer written to a temporary file, not yet renamed over
     "ckpt_mid_prune",  # pointer updated, an old checkpoint half deleted
     "step",  # the training loop, after a step's optimizer step and before its checkpoint
+    "ft_all_reduce",  # --fault-tolerance torchft: mid-step, in the all-reduce across replica groups
 )
 """Every point a fault can name; :func:`maybe_kill` rejects others (a typo must not silently pass)."""
 

@@ -18,6 +18,7 @@ One module per concept:
 - :mod:`~shardwise.train.schedule` — the learning-rate schedule (constant, warm-up + cosine).
 - :mod:`~shardwise.train.metrics` — ``--metrics``: one JSON line per step, crash-safe.
 - :mod:`~shardwise.train.checkpointing` — the checkpoint flags, wired to :mod:`shardwise.checkpoint`.
+- :mod:`~shardwise.train.fault_tolerance` — ``--fault-tolerance torchft``: replica groups that survive each other.
 - :mod:`~shardwise.train.loop` — the step and the run every rank executes.
 - :mod:`~shardwise.train.summary` — progress bar and summary on rank 0.
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from shardwise.train.data import DEFAULT_MAX_BYTES, VOCAB_SIZE
 from shardwise.train.distributed import mesh_dims
+from shardwise.train.fault_tolerance import FAULT_TOLERANCE
 from shardwise.train.model import PRESETS, GPTConfig
 from shardwise.train.sharding import IMPLS, MIXED_PRECISION
 
@@ -109,6 +110,19 @@ class TrainConfig:
     """Write TensorBoard scalars (loss, lr, grad norm, tokens/s, step time, peak memory, wire bytes) here."""
     eval_every: int = 0
     """Every this many steps, report the loss on held-out data (the corpus's last 10%); 0 is off."""
+    # ---- fault tolerance across replica groups (see train/fault_tolerance.py)
+    fault_tolerance: str = "none"
+    """``torchft``: this job is one replica group of torchft's fault-tolerant HSDP; ``none`` is off."""
+    replica_groups: int | None = None
+    """Replica groups the job starts with (R); ``None`` reads ``$NUM_REPLICA_GROUPS``."""
+    replica_group_id: int | None = None
+    """Which replica group this job is, ``0 <= id < R``; ``None`` reads ``$REPLICA_GROUP_ID``."""
+    lighthouse: str | None = None
+    """torchft's lighthouse, ``http://HOST:PORT``; ``None`` reads ``$TORCHFT_LIGHTHOUSE``."""
+    async_quorum: bool = False
+    """Compute each step's quorum (and a heal's transfer) in a thread during forward, as torchtitan does."""
+    ft_timeout_s: float = 60.0
+    """torchft's timeout for a quorum, a collective across groups and a heal's transfer."""
 
     def __post_init__(self) -> None:
         self._check_model()
@@ -129,6 +143,7 @@ class TrainConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         self._check_checkpointing()
+        self._check_fault_tolerance()
 
     def _check_model(self) -> None:
         if self.hf_config is not None and self.hf_model is not None:
@@ -157,6 +172,27 @@ class TrainConfig:
         if self.float8 and not isinstance(raf, bool):
             raise ValueError(f"--float8 with --reshard-after-forward {raf}: a float8 weight has no post-forward "
                              "shard (torch's FSDP2 refuses it too); use true or false")
+
+    def _check_fault_tolerance(self) -> None:
+        if self.fault_tolerance not in FAULT_TOLERANCE:
+            raise ValueError(f"fault_tolerance must be one of {FAULT_TOLERANCE}, got {self.fault_tolerance!r}")
+        if self.fault_tolerance == "none":
+            named = [f for f in ("replica_groups", "replica_group_id", "lighthouse") if getattr(self, f) is not None]
+            named += ["async_quorum"] if self.async_quorum else []
+            if named:
+                flags = ", ".join("--" + f.replace("_", "-") for f in named)
+                raise ValueError(f"{flags} configure replica groups: add --fault-tolerance torchft")
+            return
+        if self.replicate > 1 or self.tp > 1 or self.auto:
+            raise ValueError("--fault-tolerance torchft shards each replica group over its own ranks (1-D FSDP): "
+                             "drop --replicate / --tp / --auto; the replica groups are the replicate dim")
+        if self.float8:
+            raise ValueError("--float8 with --fault-tolerance torchft is not supported yet: a heal replaces the "
+                             "weights outside the optimizer step, where float8's scales are precomputed; drop one")
+        if self.replica_groups is not None and self.replica_groups < 1:
+            raise ValueError(f"replica_groups must be >= 1, got {self.replica_groups}")
+        if not self.ft_timeout_s > 0:
+            raise ValueError(f"ft_timeout_s must be > 0, got {self.ft_timeout_s}")
 
     @property
     def is_hf(self) -> bool:

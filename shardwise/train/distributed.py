@@ -56,6 +56,10 @@ class DistEnv:
     """True when :func:`setup` created the default process group (so :func:`teardown` destroys it)."""
     tp_mesh: DeviceMesh | None = None
     """The tensor-parallel dim of the world mesh, or ``None`` without ``--tp``."""
+    replica_group: int = 0
+    """``--fault-tolerance torchft``: which replica group (one torchrun job) this process belongs to."""
+    replica_groups: int = 1
+    """``--fault-tolerance torchft``: replica groups the job was started with; the data is split over all of them."""
 
     @property
     def tp_size(self) -> int:
@@ -63,13 +67,13 @@ class DistEnv:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: each draws its own slice of the global batch."""
-        return self.world_size // self.tp_size
+        """Data-parallel ranks of the whole job (every replica group's): each draws its own slice of the global batch."""
+        return self.world_size // self.tp_size * self.replica_groups
 
     @property
     def dp_rank(self) -> int:
         """Which slice of the global batch this rank trains on (the same for a whole TP group)."""
-        return self.rank // self.tp_size
+        return self.replica_group * (self.world_size // self.tp_size) + self.rank // self.tp_size
 
     @property
     def is_main(self) -> bool:

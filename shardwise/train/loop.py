@@ -41,6 +41,7 @@ from shardwise.train.checkpointing import RunCheckpoints
 from shardwise.train.config import TrainConfig, TrainResult
 from shardwise.train.data import BatchSampler, load_corpus
 from shardwise.train.distributed import DistEnv, setup, teardown
+from shardwise.train.fault_tolerance import Replicas, attach, replica_group
 from shardwise.train.float8 import precompute_scales
 from shardwise.train.metrics import MetricsLog
 from shardwise.train.model import GPT
@@ -177,6 +178,7 @@ class _Run:
     step_opts: StepOptions
     held_out: torch.Tensor | None  # --eval-every: the corpus's held-out tail
     eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    replicas: Replicas | None = None  # --fault-tolerance torchft; ``optimizer`` is then its commit gate
 
 
 def _evaluate(job: _Run, cfg: TrainConfig, env: DistEnv) -> float:
@@ -213,6 +215,29 @@ def _one_step(job: _Run, cfg: TrainConfig, env: DistEnv, step: int) -> tuple[flo
     return loss.item(), None if norm is None else norm.item()
 
 
+def _attempt_step(job: _Run, cfg: TrainConfig, env: DistEnv, step: int) -> tuple[int, float, float | None] | None:
+    """Step ``step``: ``(the step committed, loss, grad norm)``, or ``None`` when fault tolerance
+    discarded it (a replica group failed during it: it runs again). A group that heals takes
+    the job's step from its peer, so the committed step may be later than ``step``."""
+    replicas = job.replicas
+    if replicas is None:
+        return (step, *_one_step(job, cfg, env, step))
+    replicas.begin_step()
+    loss, norm = _one_step(job, cfg, env, replicas.step + 1)
+    if not replicas.end_step():
+        return None
+    return replicas.step, loss, norm
+
+
+def _ft_fields(replicas: Replicas | None) -> dict:
+    """Per-step records of --fault-tolerance: replica groups in the quorum, its seconds, a heal's bytes."""
+    if replicas is None:
+        return {}
+    healed = replicas.healed_this_step
+    return dict(replica_groups=replicas.participants, quorum_s=replicas.quorum_s, healed=healed,
+                heal_bytes=replicas.heal.last_heal_bytes if healed else 0)
+
+
 def _run_steps(
     job: _Run, cfg: TrainConfig, env: DistEnv, start_step: int, on_step: StepCallback | None,
 ) -> tuple[list[float], float]:
@@ -223,12 +248,18 @@ def _run_steps(
     _sync(env.device)
     start = last = time.perf_counter()
     sent = 0 if tally is None else tally.snapshot().total_wire_bytes
+    step = start_step
     with step_report(cfg, env) as rep:
-        for step in range(start_step + 1, job.checkpoints.last_step + 1):
-            lr = job.optimizer.param_groups[0]["lr"]
-            loss, norm = _one_step(job, cfg, env, step)
+        while step < job.checkpoints.last_step:
+            attempt = _attempt_step(job, cfg, env, step + 1)
+            if attempt is None:
+                continue
+            step, loss, norm = attempt
+            lr = job.optimizer.param_groups[0]["lr"]  # the step's: the schedule moves on below
             losses.append(loss)
             job.scheduler.step()
+            if job.replicas is not None:
+                job.replicas.heal.stage()
             held_s = job.checkpoints.after_step(step)
             if rep is not None:
                 rep.step(losses[-1])
@@ -240,7 +271,8 @@ def _run_steps(
                 total = tally.snapshot().total_wire_bytes
                 wire_mb, sent = (total - sent) / 1e6, total
             fields = dict(tokens_per_s=tokens_per_step / step_s, step_s=step_s, lr=lr, checkpoint_s=held_s,
-                          grad_norm=norm, peak_memory_gb=_peak_memory_gb(env.device), wire_mb=wire_mb)
+                          grad_norm=norm, peak_memory_gb=_peak_memory_gb(env.device), wire_mb=wire_mb,
+                          **_ft_fields(job.replicas))
             _observe(job, cfg, env, step, losses[-1], fields)
             if on_step is not None:
                 on_step(step, losses[-1], len(losses) * tokens_per_step / (now - start))
@@ -295,8 +327,11 @@ def _setup_run(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[_Run, i
     tensorboard = TensorBoardLog(cfg.tensorboard, env.is_main)
     opts = StepOptions(spec.logits, cfg.grad_accum, cfg.clip_norm, want_norm=tensorboard.enabled,
                        after_step=precompute_scales if cfg.float8 else None)
-    job = _Run(model, optimizer, scheduler, sampler, checkpoints, MetricsLog(cfg.metrics, env.is_main),
-               tensorboard, opts, held_out)
+    replicas = None
+    if cfg.fault_tolerance == "torchft":
+        replicas = attach(cfg, env, model, optimizer, scheduler, sampler, start_step)
+    job = _Run(model, optimizer if replicas is None else replicas.gate, scheduler, sampler, checkpoints,
+               MetricsLog(cfg.metrics, env.is_main), tensorboard, opts, held_out, replicas=replicas)
     return job, start_step
 
 
@@ -313,6 +348,9 @@ def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -
     """
     t0 = time.perf_counter()
     spec = preflight(cfg, env.world_size)
+    if cfg.fault_tolerance == "torchft":  # the data is split over every replica group's ranks
+        group = replica_group(cfg)
+        env = dataclasses.replace(env, replica_group=group.group_id, replica_groups=group.groups)
     job, start_step = _setup_run(cfg, env, spec)
     tally = _comm_tally(cfg.impl)
     if tally is not None:
@@ -323,6 +361,8 @@ def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -
     finally:
         job.metrics.close()
         job.tensorboard.close()
+        if job.replicas is not None:
+            job.replicas.shutdown()
     comm = tally.snapshot() if tally is not None else None
     predicted, measured = _peaks(job.model, env.device)
     n_params = param_count(spec)

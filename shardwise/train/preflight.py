@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from shardwise.train.checkpointing import check_same_model
 from shardwise.train.config import TrainConfig
+from shardwise.train.fault_tolerance import require_torchft
 from shardwise.train.float8 import check_float8_device, require_torchao
 from shardwise.train.models import ModelSpec, model_spec
 from shardwise.train.tensorboard import require_tensorboard
@@ -32,6 +33,8 @@ def preflight(cfg: TrainConfig, world_size: int) -> ModelSpec:
     if cfg.float8:
         require_torchao()
         check_float8_device(cfg.device)
+    if cfg.fault_tolerance == "torchft":
+        require_torchft(cfg)
     if cfg.resume and cfg.checkpoint_dir is not None:
         check_same_model(cfg.checkpoint_dir, spec.card())
     return spec
