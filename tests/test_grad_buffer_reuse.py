@@ -1,5 +1,7 @@
 """replicate keeps each group's gradient buffer across steps, and never overwrites a held gradient.
 
+(At world size 1 there is nothing to pack: each gradient is autograd's own, no buffer.)
+
 The gradients of a replicate group are views of one buffer (the all-reduce's). Once
 ``zero_grad(set_to_none=True)`` has dropped them, the next backward packs into the same
 memory instead of fresh pages (``shardwise.buffers.ReusableBuffer``). A gradient somebody
@@ -116,6 +118,27 @@ def test_gradients_zeroed_in_place_accumulate():
     run_on_ranks(_zeroed_in_place_then_accumulated, 2, timeout=TIMEOUT)
 
 
-def test_world_of_one_reuses_too():
-    """Shard size 1 and no peers: the same buffer path, no collective."""
-    run_on_ranks(_reuse_after_set_to_none, 1, timeout=TIMEOUT)
+def _world_of_one_packs_nothing():
+    """World size 1: nothing to reduce, cast or divide, so each gradient autograd made is
+    handed over as the sharded gradient: no buffer is ever packed (no copy to reuse memory
+    for), the values are the plain model's, and a held gradient keeps them."""
+    from shardwise.state import get_state
+
+    ours, ref = _models()
+    gen = rank_generator()
+    held = None
+    for step in range(3):
+        _backward(ours, ref, token_batch(gen, ours.vocab_size))
+        _assert_grads_match(ours, ref, f"step {step}")
+        if step == 1:
+            held = {name: (p.grad, p.grad.to_local().clone()) for name, p in ours.named_parameters()}
+        ours.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    for name, (grad, values) in held.items():
+        assert torch.equal(grad.to_local(), values), f"{name}: a held gradient was overwritten by the next backward"
+    groups = [g for m in ours.modules() if (state := get_state(m)) is not None for g in state.groups]
+    assert groups and all(g.reducer._grad_buffer._tensor is None for g in groups), "a gradient buffer was packed"
+
+
+def test_world_of_one_hands_the_gradients_over_without_a_buffer():
+    run_on_ranks(_world_of_one_packs_nothing, 1, timeout=TIMEOUT)
