@@ -146,7 +146,8 @@ def _add_fault_tolerance_args(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--async-quorum", action="store_true",
                    help="compute each step's quorum and heal during forward (torchtitan's default)")
     g.add_argument("--ft-timeout-s", type=float, default=d.ft_timeout_s, metavar="S",
-                   help="torchft's timeout for quorums, collectives across groups and heals (default %(default)s)")
+                   help="torchft's timeout for quorums, collectives across groups and heals; the commit vote "
+                        "waits twice this (default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,11 +21,15 @@ from the model while the training thread is in forward) has its own deterministi
 
 Two hosts (opt-in, ``SHARDWISE_NETNS_TORCHFT=1``, about 30 s; needs root and ``ip netns``): one
 group per network namespace; host 1's link is cut, group 0 goes on alone, the link comes back
-and the same command heals and trains in step.
+and the same command heals and trains in step. The root cause of its survivor once dying there
+(a cut link reaches the group's ranks one collective timeout apart, and the commit vote waited
+only one) has its own deterministic test: one group, a cross-group process group whose chosen
+all-reduces meet a silent peer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -36,13 +40,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from _torchft_child import reference
 from shardwise.testing import run_on_ranks
-from shardwise.train import distributed
+from shardwise.train import distributed, fault_tolerance, loop
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import BatchSampler
 from shardwise.train.fault_tolerance import HealState, replica_group
@@ -120,6 +126,85 @@ def test_the_heal_state_served_mid_forward_is_the_step_boundarys_and_leaves_the_
         (what,) = served[rank]["served"]
         assert list(what) == list(served[rank]["at_boundary"])
         assert all(torch.equal(t, served[rank]["at_boundary"][n]) for n, t in what.items())
+
+
+class _SilentPeer(dist._Work):
+    """A collective across replica groups whose peer went silent (a cut link): ``wait`` gives up
+    after ``seconds`` with gloo's error, as gloo's own timeout does."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def wait(self, timeout=None) -> bool:
+        time.sleep(self.seconds)
+        raise RuntimeError(f"Timed out waiting {self.seconds:.1f}s for recv operation to complete (a silent peer)")
+
+
+def _cut_link_group(timeout, fail: dict[int, float]):
+    """torchft's gloo group across replica groups, whose ``n``-th all-reduce meets a silent peer
+    for ``fail[n]`` seconds."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class CutLink(ProcessGroupGloo):
+        calls = 0
+
+        def allreduce(self, tensors, opts):
+            self.calls += 1
+            if self.calls in fail:
+                return _SilentPeer(fail[self.calls])
+            return super().allreduce(tensors, opts)
+
+    return CutLink(timeout=timeout)
+
+
+def _one_group_through_a_cut(timeout_s: float, late_s: float | None) -> list[tuple[int, float]]:
+    """``(step, loss)`` of four steps of one replica group of 2 ranks: the real loop, torchft's
+    Manager, an in-process lighthouse. With ``late_s``, step 3 meets a cut link as the netns
+    test's survivor did: rank 1's second-to-last all-reduce across groups times out (its data was
+    lost at the cut) while rank 0's went through; rank 0 then waits for rank 1 in the group's next
+    reduce-scatter, and only then its own last all-reduce times out, and it gets to the vote
+    ``late_s`` after that timeout (the rest of its step: logging the error, the backward after the
+    hook). Rank 1 votes one collective timeout plus ``late_s`` before rank 0."""
+    from torchft.coordination import LighthouseServer
+
+    env = distributed.setup("cpu")
+    cfg = TrainConfig(model="nano", batch_size=2, seq_len=16, data_bytes=20000, device="cpu", steps=4,
+                      fault_tolerance="torchft", replica_groups=1, replica_group_id=0, lighthouse="-",
+                      ft_timeout_s=timeout_s)
+    hooks = sum(hasattr(m, "set_all_reduce_hook") for m in build_model(cfg, env, model_spec(cfg)).modules())
+    last = 3 * hooks  # step 3's last all-reduce across groups (not steps 1-2: shardwise's order check
+    # lines the ranks up at the end of their backward there)
+    fail = {} if late_s is None else {last - 1: timeout_s} if env.rank == 1 else {last: timeout_s + late_s}
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100) if env.rank == 0 else None
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if env.rank == 0 else None
+    where = [(lighthouse.address(), store.port) if env.rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    (address, port), = where
+    records: list[tuple[int, float]] = []
+    try:
+        with mock.patch.dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)), mock.patch.object(
+                fault_tolerance, "_process_group", lambda device, timeout: _cut_link_group(timeout, fail)):
+            loop.train(dataclasses.replace(cfg, lighthouse=address), env,
+                       on_step=lambda step, loss, _: records.append((step, loss)))
+    finally:
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    return records
+
+
+def test_a_survivor_waits_at_the_commit_vote_for_a_group_peer_one_collective_timeout_late():
+    """The root of the netns test's survivor dying when the other host's link was cut: its ranks
+    reached ``should_commit`` one collective timeout apart (an all-reduce lost on rank 1 only, then
+    rank 0's next one), and the vote waited only one collective timeout: rank 1's vote raised
+    ``TimeoutError`` out of the step. The step must be discarded and run again: every loss equals a
+    run without the cut, bit for bit."""
+    timeout_s, late_s = 1.0, 0.5
+    start = time.monotonic()
+    cut = run_on_ranks(_one_group_through_a_cut, 2, timeout_s, late_s, timeout=120)
+    assert time.monotonic() - start > 2 * timeout_s + late_s  # it did wait out both timeouts
+    assert cut == run_on_ranks(_one_group_through_a_cut, 2, timeout_s, None, timeout=120)
+    assert [step for step, _ in cut[0]] == [1, 2, 3, 4]
 
 
 def _free_port() -> int:

@@ -122,7 +122,8 @@ class TrainConfig:
     async_quorum: bool = False
     """Compute each step's quorum (and a heal's transfer) in a thread during forward, as torchtitan does."""
     ft_timeout_s: float = 60.0
-    """torchft's timeout for a quorum, a collective across groups and a heal's transfer."""
+    """torchft's timeout for a quorum, a collective across groups and a heal's transfer; the commit
+    vote waits twice this (``fault_tolerance.VOTE_TIMEOUTS``)."""
 
     def __post_init__(self) -> None:
         self._check_model()

@@ -14,7 +14,8 @@ the groups, step by step, which of them are alive. Every step:
 3. :class:`CommitGate` steps the optimizer only when ``Manager.should_commit()`` says every
    rank of this group finished the step with a healthy quorum: a step whose quorum failed is
    discarded (parameters untouched, the data position rewound) and run again, never applied
-   twice.
+   twice. The vote waits :data:`VOTE_TIMEOUTS` collective timeouts for the group's last rank:
+   a peer group's failure reaches the group's ranks up to one collective timeout apart.
 
 A group that joins late or restarts after a crash *heals*: torchft fetches a live peer's
 state over HTTP and :class:`HealState` loads it (model shards, AdamW, LR schedule, data
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
     from shardwise.train.data import BatchSampler
     from shardwise.train.distributed import DistEnv
 
-__all__ = ["FAULT_TOLERANCE", "ReplicaGroup", "replica_group", "require_torchft", "HealState", "CommitGate", "Replicas", "attach"]
+__all__ = ["FAULT_TOLERANCE", "VOTE_TIMEOUTS", "ReplicaGroup", "replica_group", "require_torchft", "HealState", "CommitGate", "Replicas", "attach"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,22 @@ FAULT_TOLERANCE = ("none", "torchft")
 """Values of ``--fault-tolerance``."""
 
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+VOTE_TIMEOUTS = 2
+"""The commit vote (``should_commit``, which waits for every rank of the group) waits this many
+``--ft-timeout-s``; a quorum, a collective across groups and a heal wait one.
+
+Why more than one: when a peer group's link is cut, the group's ranks learn it up to one
+collective timeout apart. A rank whose all-reduce across groups lost its data at the cut waits
+out the timeout, while a group peer whose all-reduce got through before the cut goes on, waits
+for it in the group's next reduce-scatter, and only then meets the silent link in its own next
+all-reduce: a second full timeout. When that was the step's last all-reduce, the first rank
+votes (its later all-reduces are skipped: torchft stops after an error) one timeout plus the
+end of the step before the last. A vote that waited only one timeout expired first and raised
+``TimeoutError`` out of the step, killing a survivor instead of discarding the step. Two
+timeouts leave the end of the step (the backward after the last hook) up to a timeout: a
+timeout shorter than a step is unworkable anyway (the quorum waits one too).
+"""
 
 _JOIN_POLL_S = 0.05
 """Seconds between a fresh job's quorum tries while it waits for all replica groups."""
@@ -307,7 +324,7 @@ class Replicas:
         )
         if start_step:  # --resume: the job's step continues from the checkpoint
             self.manager.load_state_dict({"step": start_step, "batches_committed": start_step * group.groups})
-        self.gate = CommitGate(heal.optimizer, self.manager.should_commit)
+        self.gate = CommitGate(heal.optimizer, lambda: self.manager.should_commit(timeout=VOTE_TIMEOUTS * timeout))
         self.joined = start_step > 0
         self.join_timeout_s = cfg.ft_timeout_s
         self.quorum_s = 0.0
