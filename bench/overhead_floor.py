@@ -80,10 +80,12 @@ def _hooked_stack(k: int, trigger: bool, output_hook: bool) -> nn.Module:
     return model
 
 
-def _cpu_us(step: Callable[[], None], steps: int) -> float:
-    """20th percentile of ``step``'s thread CPU time, in µs (after a few untimed steps)."""
+def _cpu_us(step: Callable[[], None], steps: int, before: Callable[[], None] = lambda: None) -> float:
+    """20th percentile of ``step``'s thread CPU time, in µs (after a few untimed steps);
+    ``before`` runs ahead of each step, untimed."""
     times = []
     for i in range(steps + 5):
+        before()
         start = time.thread_time()
         step()
         if i >= 5:
@@ -107,16 +109,16 @@ def _optimizer_step_us(params: list[torch.Tensor], steps: int) -> float:
     """SGD's step (and zero_grad) alone, gradients set before each."""
     optimizer = torch.optim.SGD(params, lr=0.01)
     grads = [torch.ones_like(p) for p in params]
-    times = []
-    for i in range(steps + 5):
+
+    def set_grads() -> None:
         for p, g in zip(params, grads):
             p.grad = g.clone()
-        start = time.thread_time()
+
+    def step() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if i >= 5:
-            times.append(time.thread_time() - start)
-    return sorted(times)[len(times) // 5] * 1e6
+
+    return _cpu_us(step, steps, before=set_grads)
 
 
 def _dtensor_params(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:

@@ -363,23 +363,15 @@ class ModuleState(TorchStateNames, _State):
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
 
     def _wrap_post_backward_trigger(self, args: tuple, kwargs: dict):
-        if not kwargs and all(isinstance(x, torch.Tensor) for x in args):  # positional tensors: no pytree
-            positions = [i for i, x in enumerate(args) if x.requires_grad]
-            if not positions or not self.groups:
-                return args, kwargs
-            outputs = _PostBackwardTrigger.apply(weakref.ref(self), *(args[i] for i in positions))
-            flat = list(args)
-            for i, out in zip(positions, outputs):
-                flat[i] = out
-            return tuple(flat), kwargs
-        flat, spec = tree_flatten((args, kwargs))
+        plain = not kwargs and all(isinstance(x, torch.Tensor) for x in args)  # positional tensors: no pytree
+        flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions or not self.groups:
             return args, kwargs
         outputs = _PostBackwardTrigger.apply(weakref.ref(self), *(flat[i] for i in positions))
         for i, out in zip(positions, outputs):
             flat[i] = out
-        return spec.unflatten(flat)
+        return (tuple(flat), kwargs) if spec is None else spec.unflatten(flat)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         if torch._C._current_graph_task_id() != -1:  # recomputing (see the pre-forward hook)
