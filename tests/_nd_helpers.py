@@ -194,6 +194,31 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def full_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[full(t) for t in tensors]`` with one ``all_gather_object`` per 1-D mesh instead of
+    one all-gather per DTensor (a step check compares hundreds). A DTensor on a 1-D mesh
+    with a ``Shard(d)`` placement is its ranks' local tensors concatenated along ``d`` in
+    rank order (``torch.chunk``'s split, empty shards included), with ``Replicate()`` any
+    rank's local tensor; others (n-D meshes, strided or partial placements) call
+    ``full_tensor()`` themselves. Every rank must call it with the same list."""
+    out: list[torch.Tensor | None] = [None if isinstance(t, DTensor) else t for t in tensors]
+    by_mesh: dict[DeviceMesh, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and type(t.placements[0]) in (Shard, Replicate):
+            by_mesh.setdefault(t.device_mesh, []).append(i)
+        elif isinstance(t, DTensor):
+            out[i] = t.full_tensor()
+    for mesh, indices in by_mesh.items():
+        group = mesh.get_group()
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, [tensors[i].to_local().detach().cpu() for i in indices], group=group)
+        for j, i in enumerate(indices):
+            placement, locals_ = tensors[i].placements[0], [per_rank[j] for per_rank in gathered]
+            whole = torch.cat(locals_, dim=placement.dim) if isinstance(placement, Shard) else locals_[0]
+            out[i] = whole.to(tensors[i].device)
+    return out
+
+
 def average_grads(model: nn.Module, group: dist.ProcessGroup | None = None, scale: float = 1.0) -> None:
     """The data-parallel reference: all-reduce every gradient's local tensor over ``group``
     (default: all ranks), divide by its size, multiply by ``scale`` (one collective)."""
@@ -235,16 +260,19 @@ def check_step(
     if theirs is not None:
         assert mine.keys() == theirs_params.keys(), f"{where}: names {sorted(mine)} vs torch {sorted(theirs_params)}"
         pairs.append((f"loss vs torch at {where}", loss.detach(), torch_loss.detach()))
+    to_gather = []  # (what, ours, reference), made whole in one batch below
     for name, p in mine.items():
         assert isinstance(p, DTensor), f"{where}: {name} is a {type(p).__name__}, not a sharded DTensor"
         r = refs[name]
-        pairs.append((f"param {name} vs reference at {where}", full(p.detach()), full(r.detach())))
+        to_gather.append((f"param {name} vs reference at {where}", p.detach(), r.detach()))
         assert (p.grad is None) == (r.grad is None), f"{where}: grad of {name}: ours {p.grad is not None}"
         if p.grad is not None:
             assert isinstance(p.grad, DTensor), f"{where}: {name}.grad is a {type(p.grad).__name__}"
-            pairs.append((f"grad {name} vs reference at {where}", full(p.grad), full(r.grad)))
+            to_gather.append((f"grad {name} vs reference at {where}", p.grad, r.grad))
         if theirs is not None:
             pairs += _same_layout(f"{name} at {where}", p, theirs_params[name])
+    whole = full_all([t for _, a, b in to_gather for t in (a, b)])
+    pairs += [(what, whole[2 * k], whole[2 * k + 1]) for k, (what, _, _) in enumerate(to_gather)]
     _assert_close(pairs, rtol, atol)
 
 

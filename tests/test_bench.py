@@ -233,16 +233,30 @@ def test_replicate_peers_issue_the_same_collectives(quick_tiny_run):
 # ---------------------------------------------------------------- bench.overhead
 
 
+def _overhead_quick_at_two_ranks() -> dict:
+    """One rank's ``measure_k`` of ``--quick`` at world size 2, in the warm pool (a launch
+    of its own would spend most of its time starting processes and importing torch)."""
+    from bench.overhead import OverheadSpec, measure_k
+    from torch.distributed.device_mesh import init_device_mesh
+
+    spec = OverheadSpec(2, (2,), warmup=1, steps=3, rounds=1, faults="on", device="cpu", profile=True)
+    return measure_k(2, spec, init_device_mesh("cpu", (2,)))
+
+
 def test_overhead_quick_runs_every_contender_and_they_train_the_same_losses():
-    """``python -m bench.overhead --quick``: a table per (faults, world size, K), every
-    contender timed in every round, and every contender's losses equal to the plain
-    model's (all ranks share one batch, so a wrapper that loses or doubles a gradient
-    shows). No timing is asserted: the machine is shared."""
-    from bench.overhead import CONTENDERS, format_tables, run
+    """``python -m bench.overhead --quick`` (world size 1 through the CLI's launch, world
+    size 2 on the pool's ranks): a table per (faults, world size, K), every contender
+    timed in every round, and every contender's losses equal to the plain model's (all
+    ranks share one batch, so a wrapper that loses or doubles a gradient shows). No timing
+    is asserted: the machine is shared."""
+    from bench.overhead import CONTENDERS, format_tables, run, summarise
+    from shardwise.testing import run_on_ranks
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        summaries = run(["--quick", "--profile", "--faults", "on"])  # "off" is the same launch path
+        summaries = run(["--quick", "--profile", "--faults", "on", "--world-sizes", "1"])
+    assert printed.getvalue().count("faults=") == 1 and all(name in printed.getvalue() for name in CONTENDERS)
+    summaries.append(summarise(2, 2, "on", run_on_ranks(_overhead_quick_at_two_ranks, 2, timeout=120)))
     assert [(s["faults"], s["world_size"], s["k"]) for s in summaries] == [("on", 1, 2), ("on", 2, 2)]
     for s in summaries:
         assert set(s["rows"]) == set(CONTENDERS)
@@ -253,7 +267,7 @@ def test_overhead_quick_runs_every_contender_and_they_train_the_same_losses():
         assert s["rows"]["plain"]["unit_us"] == [0.0]
         assert set(s["calls"]) == set(CONTENDERS) and s["calls"]["plain"]["calls"] > 0
         assert s["calls"]["shardwise.fully_shard"]["own_calls"] > 0
-    table = printed.getvalue()
+    table = format_tables(summaries)
     assert table.count("faults=") == 2 and all(name in table for name in CONTENDERS)
     assert format_tables(summaries[:1]).splitlines()[1] == "faults=on world_size=1 K=2"
 
