@@ -216,7 +216,7 @@ class GradReducer:
         if plan.pre_divide != 1.0 or plan.pre_multiply != 1.0 or plan.post_divide != 1.0:
             return False
         return all(
-            type(g) is torch.Tensor and g.dtype == dtype and g.is_contiguous()
+            type(g) is torch.Tensor and g.dtype == dtype and g.shape == p.local_size and g.is_contiguous()
             and g.dtype == p.padded_shard.dtype and g.device == p.padded_shard.device
             for p, g in zip(params, grads)
         )  # fmt: skip
@@ -256,8 +256,8 @@ class GradReducer:
         if pending is None:
             return
         if pending.grads is not None:  # world size 1, handed over as they are
-            for p, grad in zip(pending.params, pending.grads):
-                _accumulate_sharded_grad(p, grad.view(p.local_size))
+            for p, grad in zip(pending.params, pending.grads):  # already in the shard's shape
+                _accumulate_sharded_grad(p, grad)
             tracing.emit("reduce_done", group.fqn, group.training_state)
             return
         reduced = pending.reduced

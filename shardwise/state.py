@@ -238,6 +238,7 @@ class ModuleState(TorchStateNames, _State):
         self.unshard_async_op = False  # torch's _set_unshard_async_op; shardwise is always async inside
         self._post_forward_indices: list[int] = []
         self._members_to_run: set[int] = {id(m) for m in self.modules}  # grouped call: who has not run
+        self._weak_self = weakref.ref(self)  # what each forward's trigger holds: autograd's graph never keeps us alive
         # The hooks as every caller must use them: never traced by torch.compile (dynamo_compat).
         self.pre_forward_hook = run_eagerly(self._pre_forward_hook)
         self.post_forward_hook = run_eagerly(self._post_forward_hook)
@@ -356,7 +357,7 @@ class ModuleState(TorchStateNames, _State):
         if self.forward_prefetch is not None:
             for target in self.forward_prefetch:
                 target.prefetch()
-        elif self.device.type == "cpu":
+        elif self.gathers and self.device.type == "cpu":  # the prefetcher follows only gathering states
             self.ctx.forward_prefetcher.prefetch_after(self)
 
     def _to_device(self, x: Any) -> Any:
@@ -368,7 +369,7 @@ class ModuleState(TorchStateNames, _State):
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions or not self.groups:
             return args, kwargs
-        outputs = _PostBackwardTrigger.apply(weakref.ref(self), *(flat[i] for i in positions))
+        outputs = _PostBackwardTrigger.apply(self._weak_self, *(flat[i] for i in positions))
         for i, out in zip(positions, outputs):
             flat[i] = out
         return (tuple(flat), kwargs) if spec is None else spec.unflatten(flat)
