@@ -11,6 +11,10 @@ precision:
 - ``kind="torch_replicate"``: the same ``shardwise.replicate`` vs the API it reimplements,
   torch's ``replicate`` (``torch.distributed._composable.replicate_with_fsdp``), applied
   the same way, per block and root; fp32 only.
+- ``kind="ddp_matched"``: the same ``shardwise.replicate`` vs DDP with buckets sized so it
+  issues about as many all-reduces as there are ``replicate`` calls (opt-in peer
+  ``ddp-matched``): what the API's one all-reduce per call costs DDP itself, apart from
+  the wrapper.
 - ``kind="report"``: ``shardwise.fully_shard`` with the step report recording
   (``shardwise.report``'s recorder active during its steps) vs the same without: the
   report's overhead (``--report-overhead``).
@@ -29,8 +33,8 @@ from shardwise.train.model import PRESETS
 
 __all__ = ["KINDS", "REPLICATE_PEERS", "REPLICATE_KINDS", "DTYPES", "Case", "Settings", "fsdp_cases", "replicate_cases", "report_cases"]
 
-KINDS = ("fsdp", "replicate", "torch_replicate", "report")
-REPLICATE_PEERS = {"ddp": "replicate", "torch": "torch_replicate"}
+KINDS = ("fsdp", "replicate", "torch_replicate", "ddp_matched", "report")
+REPLICATE_PEERS = {"ddp": "replicate", "torch": "torch_replicate", "ddp-matched": "ddp_matched"}
 """``--replicate-peers`` value -> the case kind comparing shardwise.replicate with that peer."""
 REPLICATE_KINDS = tuple(REPLICATE_PEERS.values())
 """The kinds whose shardwise side is ``replicate``: fp32, no reshard, one gradient all-reduce."""
@@ -42,8 +46,9 @@ class Case:
     """One side-by-side comparison; validated on construction."""
 
     kind: str
-    """``fsdp`` (fully_shard vs torch fully_shard), ``replicate`` (replicate vs DDP) or
-    ``torch_replicate`` (replicate vs torch's replicate)."""
+    """``fsdp`` (fully_shard vs torch fully_shard), ``replicate`` (replicate vs DDP),
+    ``torch_replicate`` (replicate vs torch's replicate) or ``ddp_matched`` (replicate vs
+    DDP issuing as many all-reduces)."""
     model: str
     """GPT preset: ``tiny`` (~1M), ``small`` (~10M) or ``medium`` (~50M parameters)."""
     world_size: int
@@ -75,6 +80,8 @@ class Case:
             return f"{self.model} ws{self.world_size} replicate"
         if self.kind == "torch_replicate":
             return f"{self.model} ws{self.world_size} vs torch replicate"
+        if self.kind == "ddp_matched":
+            return f"{self.model} ws{self.world_size} vs DDP matched buckets"
         label = f"{self.model} ws{self.world_size} rs={'T' if self.reshard else 'F'} {self.dtype}"
         return f"{label} report" if self.kind == "report" else label
 

@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replicate-peers",
         type=_csv(str, tuple(REPLICATE_PEERS)),
-        default=list(REPLICATE_PEERS),
-        help="what shardwise.replicate is compared with: ddp (DistributedDataParallel), torch (torch's replicate); default both",
+        default=["ddp", "torch"],
+        help="what shardwise.replicate is compared with: ddp (DistributedDataParallel), torch (torch's replicate), "
+        "ddp-matched (DDP bucketed to about one all-reduce per replicate call); default ddp,torch",
     )
     p.add_argument("--steps", type=int, help="timed steps per implementation (full 10, quick 3)")
     p.add_argument("--warmup", type=int, help="untimed steps per implementation first (full 2, quick 1)")

@@ -10,6 +10,8 @@ are identical and only the wrapper differs::
                 vs DistributedDataParallel(model)                # torch's bucketed all-reduce
     torch_replicate: the same shardwise.replicate vs torch's replicate (replicate_with_fsdp),
                 applied per block and root in the same way       # the API shardwise reimplements
+    ddp_matched: the same shardwise.replicate vs DistributedDataParallel(model, bucket_cap_mb=
+                model bytes / replicate calls)                   # as many all-reduces as the API
     report:     shardwise fully_shard with the step report's recorder active from the root's
                 forward to the end of optimizer.step(), vs the same model without  # the overhead
 """
@@ -141,6 +143,23 @@ def _torch_ddp(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Conte
     return Contender("torch.DDP", model, make_optimizer(model, optimizer))
 
 
+def _torch_ddp_matched(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> Contender:
+    """DDP with its bucket cap at the model's bytes over the number of ``replicate`` calls
+    (blocks + root): about one all-reduce per call, as the replicate API issues. Buckets
+    follow DDP's own order and size rule, so the count is close, not equal (the JSON's
+    ``comm_counts`` has both)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build_plain(case.model, seed)
+    calls = len(model.layers) + 1
+    cap_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / calls / 2**20
+    model = DistributedDataParallel(model, process_group=mesh.get_group(), bucket_cap_mb=cap_mb)
+    return Contender("torch.DDP matched", model, make_optimizer(model, optimizer))
+
+
+_REPLICATE_PEER = {"replicate": _torch_ddp, "torch_replicate": _torch_replicate, "ddp_matched": _torch_ddp_matched}
+
+
 def build_pair(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> tuple[Contender, Contender]:
     """``(shardwise, torch)`` for ``case`` on the 1-D CPU ``mesh``, from identical weights
     (for ``report``: ``(shardwise with the report recording, shardwise without)``)."""
@@ -148,5 +167,4 @@ def build_pair(case: Case, mesh: DeviceMesh, seed: int, optimizer: str) -> tuple
         return _shardwise_fsdp(case, mesh, seed, optimizer), _torch_fsdp(case, mesh, seed, optimizer)
     if case.kind == "report":
         return _shardwise_fsdp_reported(case, mesh, seed, optimizer), _shardwise_fsdp(case, mesh, seed, optimizer)
-    peer = _torch_replicate if case.kind == "torch_replicate" else _torch_ddp
-    return _shardwise_replicate(case, mesh, seed, optimizer), peer(case, mesh, seed, optimizer)
+    return _shardwise_replicate(case, mesh, seed, optimizer), _REPLICATE_PEER[case.kind](case, mesh, seed, optimizer)

@@ -28,6 +28,7 @@ PACKAGE_OF = {
     "shardwise.replicate": f"shardwise{os.sep}",
     "torch.fully_shard": os.path.join("torch", "distributed", "fsdp", ""),
     "torch.DDP": os.path.join("torch", "nn", "parallel", ""),
+    "torch.DDP matched": os.path.join("torch", "nn", "parallel", ""),
     "torch.replicate": os.path.join("torch", "distributed", "fsdp", ""),  # replicate_with_fsdp runs on FSDP2's hooks
 }
 """Contender name -> path fragment identifying its own source files."""

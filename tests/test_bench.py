@@ -29,7 +29,7 @@ from bench.memory import _ORIGINAL_RESIZE, PeakMemory  # noqa: E402
 from bench.report import above_floor_ratio  # noqa: E402
 from bench.stats import percentile, spread, worst_rank  # noqa: E402
 from bench.wire import count_events, read_wchar, theoretical_min  # noqa: E402
-from shardwise.testing import CommEvent  # noqa: E402
+from shardwise.testing import CommEvent, run_on_ranks  # noqa: E402
 
 # ---------------------------------------------------------------- arithmetic
 
@@ -116,6 +116,8 @@ def test_quick_plan_is_the_documented_grid():
     assert [c.label for c in cases] == ["small ws4 rs=F fp32", "small ws4 rs=F bf16"]
     cases, _ = plan(build_parser().parse_args(["--models", "none", "--replicate-models", "tiny", "--replicate-peers", "torch"]))
     assert [(c.kind, c.label) for c in cases] == [("torch_replicate", "tiny ws2 vs torch replicate"), ("torch_replicate", "tiny ws4 vs torch replicate")]
+    cases, _ = plan(build_parser().parse_args(["--models", "none", "--replicate-models", "tiny", "--world-sizes", "2", "--replicate-peers", "ddp-matched"]))
+    assert [(c.kind, c.label) for c in cases] == [("ddp_matched", "tiny ws2 vs DDP matched buckets")]
     cases, _ = plan(build_parser().parse_args(["--report-overhead", "--world-sizes", "2", "--reshard", "true"]))
     assert [(c.kind, c.label) for c in cases] == [("report", "small ws2 rs=T fp32 report")]
 
@@ -228,6 +230,33 @@ def test_replicate_peers_issue_the_same_collectives(quick_tiny_run):
     sw, th = res["impls"]["shardwise"], res["impls"]["torch"]
     assert sw["comm_counts"] == th["comm_counts"] and sw["comm_counts"]["all_reduce"] == 6  # 5 blocks + root
     assert sw["payload_bytes_by_kind"] == th["payload_bytes_by_kind"]
+
+
+def _all_reduces_of_the_matched_pair() -> dict[str, int]:
+    """Each contender's all-reduces in its second step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bench.contenders import build_pair
+    from bench.workload import make_batches, train_step
+    from shardwise.testing import CommCounter
+    from shardwise.train.model import GPTConfig
+
+    pair = build_pair(Case("ddp_matched", "tiny", 2), init_device_mesh("cpu", (2,)), 0, "foreach")
+    batches = make_batches(GPTConfig.preset("tiny"), 1, 2, 0, torch.distributed.get_rank())
+    counts = {}
+    for c in pair:
+        train_step(c.model, c.optimizer, batches[0])  # DDP rebuilds its buckets after the first step
+        with CommCounter() as counter:
+            train_step(c.model, c.optimizer, batches[1])
+        counts[c.name] = counter.counts["all_reduce"]  # DDP also broadcasts its buffers each forward, by default
+    return counts
+
+
+def test_matched_ddp_issues_one_all_reduce_per_replicate_call():
+    """The ``ddp-matched`` peer isolates the replicate API's collective count: DDP bucketed
+    to as many all-reduces as shardwise.replicate issues (5 blocks + root on tiny)."""
+    counts = run_on_ranks(_all_reduces_of_the_matched_pair, 2, timeout=120)[0]
+    assert counts == {"shardwise.replicate": 6, "torch.DDP matched": 6}
 
 
 # ---------------------------------------------------------------- bench.overhead
