@@ -110,6 +110,14 @@ def test_float8_all_gather_matches_torch(param_dtype, precompute, reshard_after_
     assert gathered == {torch.uint8: _gathered_bytes(param_dtype, reshard_after_forward)}, gathered
 
 
+def test_float8_at_world_size_one_matches_torch():
+    """World size 1 hands each unsharded gradient over as the sharded one, no pack (reduce.py):
+    the float8 weights' gradients too. Every step equals torch's; the extension still runs
+    (twice per weight and step), and nothing is gathered."""
+    per_step = run_on_ranks(_float8, 1, None, False, True, timeout=TIMEOUT)[0]
+    assert per_step == [(10, {})] * len(per_step), per_step
+
+
 def _float8_accumulating() -> list:
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
