@@ -200,6 +200,39 @@ def _fault(kind: str, pids: list[int]) -> None:
             raise type(err)(f"{err} [detected after {detected:.2f} s]") from None
 
 
+def _stopped_in_the_loss_mean(pids: list[int]) -> None:
+    """Both ranks finish step 2's backward; rank 1 stops (SIGSTOP) before ``shardwise train``'s
+    per-step loss mean, the all-reduce rank 0 then waits in (a link cut after a peer's last
+    gradient reduction lands there too). Rank 0 reports the detection time."""
+    from shardwise.train.loop import mean_across_ranks
+
+    faults.configure(watchdog_s=DEADLINE_S)
+    model = _sharded_blocks()
+    for step in range(3):
+        model(torch.ones(2, 8)).sum().backward()
+        if step == 2 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            mean_across_ranks(float(step), torch.device("cpu"))
+        except faults.CollectiveTimeoutError as err:
+            os.kill(pids[1], signal.SIGKILL)
+            raise type(err)(f"{err} [detected after {time.monotonic() - start:.2f} s]") from None
+
+
+def test_a_rank_stopped_before_the_jobs_loss_mean_is_named():
+    """The training job's own collective (its per-step loss mean) is watched like the
+    library's: a peer that stops is named within the deadline, not waited on for gloo's
+    timeout."""
+    pids = pool_pids(2)
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_stopped_in_the_loss_mean, 2, pids, timeout=TIMEOUT_S)
+    trace = info.value.tracebacks[0]
+    assert "CollectiveTimeoutError" in trace and "rank 1 has not reported for" in trace, trace
+    assert "loss mean" in trace and "dead or stopped" in trace, trace
+    assert _detected_after(trace) < 4 * DEADLINE_S, trace
+
+
 def _digest_fault(at: int) -> None:
     """Same-shape blocks swapped on rank 0 at step ``at``, past the order-checked steps. The
     ranks raise the digest's error where they meet it (a rank may be blocked in the next

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.clip import clip_grad_norm_
+from shardwise.faults import monitor
 from shardwise.train import summary
 from shardwise.train.build import build_sharded
 from shardwise.train.checkpointing import RunCheckpoints
@@ -135,9 +136,16 @@ def train_step(
 
 
 def mean_across_ranks(value: float, device: torch.device) -> float:
-    """``value`` averaged over all ranks of the default process group."""
+    """``value`` averaged over all ranks of the default process group.
+
+    Issued through the fault monitor like the library's own collectives: a peer that dies
+    or whose link is cut while this rank waits here (right after the step's last gradient
+    reduction) is named within the watchdog's deadline, not waited on for gloo's timeout."""
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    world = dist.group.WORLD
+    work = monitor.issue("all-reduce", "shardwise train's loss mean", world, t,
+                         lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
+    work.wait()
     return t.item() / dist.get_world_size()
 
 
