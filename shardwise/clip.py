@@ -9,6 +9,15 @@ scalars, and scales every gradient in place::
 
     total = (sum over groups of ||g_group||_p^p)^(1/p)     (max for p = inf)
     g *= min(1, max_norm / (total + 1e-6))
+
+A group's norm is reduced across ranks as DTensor would reduce its partial norm (so the
+result is the same, bit for bit): for each mesh dim its gradients are sharded on, in mesh
+order, ``x^p``, a SUM all-reduce on that dim's process group, ``x^(1/p)`` (MAX / MIN for
+p = inf / -inf, a plain SUM for p = 0). Each all-reduce goes through the fault monitor
+(:func:`shardwise.faults.monitor.all_reduce`), like the library's gradient reductions: a
+peer that died or stopped before clipping is named within the watchdog's deadline instead
+of being waited on for the process group's timeout. A gradient that is itself ``Partial``
+(no FSDP or TP gradient is) is reduced through DTensor, unwatched.
 """
 
 from __future__ import annotations
@@ -18,7 +27,12 @@ from collections import defaultdict
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+from shardwise.faults import monitor
 
 __all__ = ["clip_grad_norm_"]
 
@@ -61,12 +75,39 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         groups[key].append(grad)
     norms = []
     for key, members in groups.items():
-        per_param = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in members])
-        norm = torch.linalg.vector_norm(per_param, norm_type)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        if key is None or any(p.is_partial() for p in key[1]):  # plain tensors; a Partial gradient
+            norm = _norm(members, norm_type)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        else:
+            norm = _reduce_over_shards(_norm([g.to_local() for g in members], norm_type), *key, norm_type)
         norms.append(norm.float().cpu())
     stacked = torch.stack(norms)
     if math.isinf(norm_type):
         return stacked.max()
     return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def _norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type`` norm of all of ``tensors``' elements (one per tensor, then of those)."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, norm_type) for t in tensors]), norm_type)
+
+
+def _reduce_over_shards(norm: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], norm_type: float) -> torch.Tensor:
+    """This rank's ``norm`` of its shards reduced over every mesh dim they are sharded on,
+    dim by dim in mesh order: DTensor's reduction of a partial norm (``full_tensor()``), each
+    all-reduce watched by the fault monitor."""
+    for dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            continue
+        pg = mesh.get_group(dim)
+        if math.isinf(norm_type):
+            monitor.all_reduce(norm, pg, dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN, _WHAT)
+        elif norm_type == 0:
+            monitor.all_reduce(norm, pg, dist.ReduceOp.SUM, _WHAT)
+        else:
+            norm = monitor.all_reduce(norm**norm_type, pg, dist.ReduceOp.SUM, _WHAT) ** (1.0 / norm_type)
+    return norm
+
+
+_WHAT = "shardwise.clip_grad_norm_"
+"""How the norm's all-reduces read in the fault monitor's messages."""

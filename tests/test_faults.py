@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import shardwise
 from shardwise import faults
+from shardwise.faults import step_digest
 from shardwise.testing import RankFailure, pool_pids, run_on_ranks
 
 TIMEOUT_S = 60.0
@@ -175,6 +176,139 @@ def test_a_slow_rank_is_not_a_fault():
     assert losses[0] == losses[1]
 
 
+# -- collectives outside forward and backward: clipping, the job's ----------------------
+
+
+def _step(model: Blocks) -> None:
+    """One training step of ``shardwise train``'s shape: forward, backward, the gradient
+    clip (on the FSDP group), the loss mean (on the default group, which no root marks
+    here, as in a TP or HSDP job)."""
+    from shardwise.train.loop import mean_across_ranks
+
+    model(torch.ones(2, 8)).sum().backward()
+    shardwise.clip_grad_norm_(model.parameters(), 1.0)
+    mean_across_ranks(1.0, torch.device("cpu"))
+
+
+def _restore(settings: faults.FaultSettings) -> None:
+    """The warm pool's ranks outlive the task: leave the fault settings as they were."""
+    faults.configure(order_check=settings.order_check_steps, watchdog_s=settings.watchdog_s,
+                     heartbeat_s=settings.heartbeat_s)
+
+
+def _stopped_before(pids: list[int], collective) -> tuple[str, float] | None:
+    """Rank 1 stops (SIGSTOP) right before ``collective``; rank 0 runs it until the watchdog
+    names the stopped rank, then wakes rank 1 (SIGCONT), which runs it too: its collective
+    meets the one rank 0 left in flight, and both go on. Rank 0: (message, seconds)."""
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        collective()
+        return None
+    start = time.monotonic()
+    try:
+        collective()
+    except faults.CollectiveTimeoutError as err:
+        return str(err), time.monotonic() - start
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    return "no error", time.monotonic() - start
+
+
+def _job_collectives_with_a_rank_stopped_before_each(pids: list[int]) -> dict:
+    """Past the order-checked steps, rank 1 stops before each collective issued outside
+    forward and backward: the gradient clip's norm, ``shardwise train``'s loss mean, its
+    ``--auto`` peak memory, its exit barrier."""
+    from types import SimpleNamespace
+
+    from shardwise.train.distributed import DistEnv, teardown
+    from shardwise.train.loop import _peaks, mean_across_ranks
+
+    settings = faults.current()
+    faults.configure(watchdog_s=DEADLINE_S)
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda group=None: None  # the exit barrier's teardown: keep the pool's group
+    try:
+        model = _sharded_blocks()
+        for _ in range(2):
+            _step(model)
+        model(torch.ones(2, 8)).sum().backward()
+        found = {"clip": _stopped_before(pids, lambda: shardwise.clip_grad_norm_(model.parameters(), 1.0)),
+                 "loss mean": _stopped_before(pids, lambda: mean_across_ranks(1.0, torch.device("cpu")))}
+        planned = SimpleNamespace(plan=SimpleNamespace(peak_bytes=1), measured_peak_bytes=2)
+        found["peak"] = _stopped_before(pids, lambda: _peaks(planned, torch.device("cpu")))
+        env = DistEnv(dist.get_rank(), 2, torch.device("cpu"), None, owns_process_group=True)
+        found["exit"] = _stopped_before(pids, lambda: teardown(env))
+        if dist.get_rank() == 0:
+            dist.barrier()  # rank 1's teardown goes on to its final (plain) barrier
+        return found
+    finally:
+        dist.destroy_process_group = destroy
+        _restore(settings)
+
+
+def test_a_rank_stopped_before_a_clip_or_a_job_collective_is_named():
+    """``clip_grad_norm_``'s norm and the training job's own collectives (loss mean, --auto
+    peak, exit barrier) are watched like the library's: a peer that stops is named within
+    the deadline, not waited on for gloo's timeout. (On the unwatched collectives rank 0
+    hung in the first: the harness's RankTimeout.)"""
+    found = run_on_ranks(_job_collectives_with_a_rank_stopped_before_each, 2, pool_pids(2), timeout=TIMEOUT_S)[0]
+
+    labels = {"clip": "shardwise.clip_grad_norm_", "loss mean": "shardwise train's loss mean",
+              "peak": "shardwise train's --auto peak memory", "exit": "shardwise train's exit barrier"}
+    for scenario, (message, seconds) in found.items():
+        assert "shardwise watchdog" in message and labels[scenario] in message, (scenario, message)
+        assert "rank 1 has not reported for" in message and "dead or stopped" in message, (scenario, message)
+        assert seconds < 4 * DEADLINE_S, (scenario, seconds, message)
+    assert list(found) == list(labels)
+
+
+def _ledger_sizes(steps: tuple[int, ...]) -> list[dict]:
+    """A job whose default group is not an FSDP group (as with TP or HSDP): each step clips
+    (the FSDP group, and a TP-like group no root marks) and means the loss (the default
+    group). After each count in ``steps``: per group, what its ledger holds."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shardwise.faults.ledger import ledger_for
+
+    settings = faults.current()
+    faults.configure(order_check=2, watchdog_s=DEADLINE_S, heartbeat_s=0.05)
+    try:
+        model = _sharded_blocks()
+        tp_mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
+        tp_param = nn.Parameter(distribute_tensor(torch.ones(4), tp_mesh, [Shard(0)]))
+        groups = {"fsdp": model.a.weight.device_mesh.get_group(), "world": dist.group.WORLD, "tp": tp_mesh.get_group()}
+        sizes, done = [], 0
+        for count in steps:
+            for _ in range(count - done):
+                _step(model)
+                tp_param.grad = torch.ones_like(tp_param)
+                shardwise.clip_grad_norm_([tp_param], 1.0)
+            done = count
+            time.sleep(0.3)  # a few heartbeats: the step digests are compared
+            ledgers = {name: ledger_for(pg) for name, pg in groups.items()}
+            sizes.append({name: dict(in_step=len(l.digests.current), filed=len(l.digests.filed),
+                                     last_checked=l.last_checked, compared=l.digests.compared)
+                          for name, l in ledgers.items()})
+        return sizes
+    finally:
+        _restore(settings)
+
+
+def test_groups_no_root_marks_stay_bounded_and_compared():
+    """The default group of a TP or HSDP job, and a TP group, carry collectives (the loss
+    mean, the clip's norm) but no root's step marks. Their ledgers must not grow with the
+    steps (the step's log; the order check is a store round trip per collective, for the
+    first steps only), and their digests, like the FSDP group's (the clip's norm issued
+    between the end of one step and the next), are compared across ranks without a
+    mismatch."""
+    for rank, (early, late) in enumerate(run_on_ranks(_ledger_sizes, 2, (4, 10), timeout=TIMEOUT_S)):
+        for name in ("fsdp", "world", "tp"):
+            assert late[name]["in_step"] == early[name]["in_step"], (rank, name, early, late)  # this step's only
+            assert late[name]["last_checked"] == early[name]["last_checked"], (rank, name, early, late)
+            assert late[name]["filed"] <= step_digest.KEEP_STEPS, (rank, name, late)
+            assert late[name]["compared"] > early[name]["compared"] >= 2, (rank, name, early, late)
+
+
 # -- the watchdog (the ranks fail: the pool is thrown away) -----------------------------
 
 
@@ -198,39 +332,6 @@ def _fault(kind: str, pids: list[int]) -> None:
             if kind == "extra":  # the peer reaches its own deadline up to one later: the
                 time.sleep(DEADLINE_S)  # harness gives it 1 s after a failure, so report later
             raise type(err)(f"{err} [detected after {detected:.2f} s]") from None
-
-
-def _stopped_in_the_loss_mean(pids: list[int]) -> None:
-    """Both ranks finish step 2's backward; rank 1 stops (SIGSTOP) before ``shardwise train``'s
-    per-step loss mean, the all-reduce rank 0 then waits in (a link cut after a peer's last
-    gradient reduction lands there too). Rank 0 reports the detection time."""
-    from shardwise.train.loop import mean_across_ranks
-
-    faults.configure(watchdog_s=DEADLINE_S)
-    model = _sharded_blocks()
-    for step in range(3):
-        model(torch.ones(2, 8)).sum().backward()
-        if step == 2 and dist.get_rank() == 1:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        start = time.monotonic()
-        try:
-            mean_across_ranks(float(step), torch.device("cpu"))
-        except faults.CollectiveTimeoutError as err:
-            os.kill(pids[1], signal.SIGKILL)
-            raise type(err)(f"{err} [detected after {time.monotonic() - start:.2f} s]") from None
-
-
-def test_a_rank_stopped_before_the_jobs_loss_mean_is_named():
-    """The training job's own collective (its per-step loss mean) is watched like the
-    library's: a peer that stops is named within the deadline, not waited on for gloo's
-    timeout."""
-    pids = pool_pids(2)
-    with pytest.raises(RankFailure) as info:
-        run_on_ranks(_stopped_in_the_loss_mean, 2, pids, timeout=TIMEOUT_S)
-    trace = info.value.tracebacks[0]
-    assert "CollectiveTimeoutError" in trace and "rank 1 has not reported for" in trace, trace
-    assert "loss mean" in trace and "dead or stopped" in trace, trace
-    assert _detected_after(trace) < 4 * DEADLINE_S, trace
 
 
 def _digest_fault(at: int) -> None:

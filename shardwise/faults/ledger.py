@@ -3,8 +3,8 @@
 Every shardwise collective on a process group gets the next sequence number of that
 group's ledger; ranks that run the same program give the same collective the same
 number, so "collective #41 on group G" names one thing on every rank. The ledger also
-counts steps (root forwards that use the group) and names the store keys the order
-check uses. One ledger per process-group object (ranks can be threads of one process,
+counts steps (root forwards that use the group; on a group no root marks, its collectives:
+see :mod:`~shardwise.faults.monitor`) and names the store keys the order check uses. One ledger per process-group object (ranks can be threads of one process,
 each with its own group objects).
 
 Its key prefix adds a generation: how many times this rank made a ledger for a group of
@@ -44,6 +44,7 @@ class Ledger:
     step: int  # current step on this group (0-based)
     last_checked: int | None  # seq of the last order-checked collective (its key is deleted later)
     host_waits: bool  # wait() blocks the host (gloo): the watchdog can wait with a deadline
+    root_marked: bool  # a root's forward began a step on this group (else each collective is a step)
 
     def __init__(self, pg: dist.ProcessGroup, generation: int):
         self.name = pg.group_name
@@ -53,6 +54,7 @@ class Ledger:
         self.host_waits = dist.get_backend(pg) == "gloo"
         self.seq = 0
         self.step = 0
+        self.root_marked = False
         self._begun = 0
         self.last_checked = None
         self.init_checks = 0  # fully_shard calls whose initial values were compared (init_values)
@@ -90,7 +92,8 @@ class Ledger:
         return position
 
     def begin_step(self) -> None:
-        """A root forward that uses this group begins: the next step."""
+        """The next step begins: a root forward that uses this group, or (a group no root
+        marks) its next collective."""
         if self._begun:
             settings = current()
             compare = settings.compares_digests and not settings.checks_step(self.step)

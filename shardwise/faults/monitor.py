@@ -7,6 +7,16 @@ when the step is checked, starts it, and wraps its work handle in a
 this rank's :class:`~shardwise.faults.poller.Poller` (NCCL: the host runs ahead). The root's forward calls
 :func:`begin_step`, the end of its backward :func:`end_step`. Unchecked steps cost a dict
 lookup, a counter and a wrapper per collective.
+
+A group no root marks (the default group of a TP or HSDP job, a TP group: collectives a job
+or :func:`~shardwise.clip.clip_grad_norm_` issue outside the FSDP groups) counts each of
+its collectives as a step of its own. Its first collectives are then order-checked like a
+root's first steps, later ones compared by the step digests, and its logs stay bounded: a
+group left at step 0 would be order-checked forever (a store round trip per collective)
+and its step's log would grow by one entry per collective.
+
+:func:`all_reduce` is :func:`issue` for a blocking all-reduce, for the collectives outside
+the FSDP hot path (gradient clipping, a training job's metrics and exit barrier).
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from shardwise.faults.records import END_OF_STEP, Collective
 from shardwise.faults.settings import current
 from shardwise.faults.watchdog import WatchedWork, raise_digest_error
 
-__all__ = ["issue", "begin_step", "end_step", "shutdown"]
+__all__ = ["issue", "all_reduce", "begin_step", "end_step", "shutdown"]
 
 
 def _phase() -> str:
@@ -43,6 +53,8 @@ def issue(op: str, fqn: str, pg: dist.ProcessGroup, tensor: torch.Tensor, start:
     if ledger is None:
         return start()
     _raise_found(ledger)
+    if not ledger.root_marked:
+        ledger.begin_step()  # no root marks this group's steps: each collective is one
     settings = current()
     position = ledger.record(Collective(op, fqn, _phase(), tensor.numel(), tensor.dtype))
     if settings.checks_step(position.step):
@@ -56,6 +68,23 @@ def issue(op: str, fqn: str, pg: dist.ProcessGroup, tensor: torch.Tensor, start:
     return work
 
 
+def all_reduce(tensor: torch.Tensor, pg: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str) -> torch.Tensor:
+    """All-reduce ``tensor`` in place on ``pg`` through :func:`issue` and wait for it (on
+    NCCL the wait orders the stream; the poller watches the host side); returns ``tensor``.
+
+    Args:
+        tensor: this rank's input, overwritten with the result.
+        pg: the process group.
+        op: the reduction (``dist.ReduceOp.SUM``, ``MAX``, ...).
+        what: names the collective in errors (it stands where a module's FQN stands), the
+            same on every rank.
+    """
+    work = issue("all-reduce", what, pg, tensor, lambda: dist.all_reduce(tensor, op=op, group=pg, async_op=True))
+    if work is not None:
+        work.wait()
+    return tensor
+
+
 def _raise_found(ledger) -> None:
     """Raise what a background thread found for this rank: a hang (poller), or ranks whose
     steps differed (step digest); each once."""
@@ -64,11 +93,13 @@ def _raise_found(ledger) -> None:
 
 
 def begin_step(groups: Iterable[dist.ProcessGroup]) -> None:
-    """The root's forward begins a step on each of its process groups."""
+    """The root's forward begins a step on each of its process groups (which are then
+    marked by a root: their steps are the root's from now on)."""
     for pg in groups:
         ledger = ledger_for(pg)
         if ledger is not None:
             _raise_found(ledger)
+            ledger.root_marked = True
             ledger.begin_step()
 
 

@@ -142,10 +142,7 @@ def mean_across_ranks(value: float, device: torch.device) -> float:
     or whose link is cut while this rank waits here (right after the step's last gradient
     reduction) is named within the watchdog's deadline, not waited on for gloo's timeout."""
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    world = dist.group.WORLD
-    work = monitor.issue("all-reduce", "shardwise train's loss mean", world, t,
-                         lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
-    work.wait()
+    monitor.all_reduce(t, dist.group.WORLD, dist.ReduceOp.SUM, "shardwise train's loss mean")
     return t.item() / dist.get_world_size()
 
 
@@ -308,7 +305,7 @@ def _peaks(model: nn.Module, device: torch.device) -> tuple[int | None, int | No
     if plan is None:
         return None, None
     t = torch.tensor([getattr(model, "measured_peak_bytes", 0)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    monitor.all_reduce(t, dist.group.WORLD, dist.ReduceOp.MAX, "shardwise train's --auto peak memory")
     return plan.peak_bytes, int(t.item())
 
 
