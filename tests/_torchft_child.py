@@ -11,14 +11,19 @@ parameter shards and AdamW state, by parameter name. ``R`` is the rank's slice o
 batch (``replica_group * group_size + rank``), the same name in a one-job ``--replicate`` run.
 
 ``$TEST_GO_FILE``: wait for this file before starting (a replacement group launched before the
-kill it replaces, so that the test does not wait for its imports). ``$TEST_ALONE_STEP_S``: seconds
-to wait after each step run with fewer replica groups than the job started with, so that a
-survivor does not run out of steps before the restarted group is up.
+kill it replaces, so that the test does not wait for its imports). ``$TEST_READY_FILE``: touched
+once the job is set up (torchft's Manager made: its next step asks the lighthouse for a quorum).
+``$TEST_ALONE_STEP_S``: seconds to wait after each step run with fewer replica groups than the
+job started with; with ``$TEST_PEER_READY_FILE`` a survivor first waits (up to
+``PEER_READY_TIMEOUT_S``) for the restarted group to touch that file. Either way the survivor
+does not run out of steps before the restarted group joins, and it need not run many steps
+alone while that group starts (2-15 s here).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -53,6 +58,9 @@ def run(argv: list[str], dump_steps: set[int], write: Callable[[dict], None],
     def capture(*args, **kwargs):
         job, start = setup_run(*args, **kwargs)
         jobs.append(job)
+        ready = os.environ.get("TEST_READY_FILE")
+        if ready:
+            Path(ready).touch()
         return job, start
 
     def on_step(step: int, loss: float, _tokens_per_s: float) -> None:
@@ -65,6 +73,7 @@ def run(argv: list[str], dump_steps: set[int], write: Callable[[dict], None],
         if step in dump_steps:
             save(step, local_state(jobs[0]))
         if ft is not None and record["groups"] < ft.group.groups:  # a survivor alone: give the replacement time
+            _wait_for(os.environ.get("TEST_PEER_READY_FILE"), PEER_READY_TIMEOUT_S)
             time.sleep(float(os.environ.get("TEST_ALONE_STEP_S", "0")))
 
     loop._setup_run = capture
@@ -82,15 +91,19 @@ def reference(argv: list[str], dump_steps: list[int]) -> tuple[int, dict[int, fl
     return env.rank, losses, dumps
 
 
-def _wait_for_go() -> None:
-    go = os.environ.get("TEST_GO_FILE")
-    while go and not Path(go).exists():
+PEER_READY_TIMEOUT_S = 120.0
+
+
+def _wait_for(path: str | None, timeout: float = math.inf) -> None:
+    """Until the file ``path`` exists (no wait without a path), at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while path and not Path(path).exists() and time.monotonic() < deadline:
         time.sleep(0.02)
 
 
 def main() -> None:
     out, dump_steps, argv = Path(sys.argv[1]), {int(s) for s in sys.argv[2].split(",") if s}, sys.argv[3:]
-    _wait_for_go()
+    _wait_for(os.environ.get("TEST_GO_FILE"))
     rank = int(os.environ["RANK"])
     group = int(argv[argv.index("--replica-group-id") + 1]) if "--replica-group-id" in argv else 0
     dp = group * int(os.environ["WORLD_SIZE"]) + rank

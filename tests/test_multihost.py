@@ -33,6 +33,7 @@ from shardwise.checkpoint.directory import CheckpointDir
 from shardwise.train.metrics import read_metrics
 
 WATCHDOG_S = 5.0
+WATCHDOG_S_CUT_ONLY = 3.0  # the always-run test: no checkpoint I/O competes with the beacons
 PORT = 29731  # the reference run, the cut run and the resumed run each get their own port
 SUBNET = "10.231.7"
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +110,8 @@ class Hosts:
             _ip("netns", "del", ns, check=False)
 
 
-def _torchrun(hosts: Hosts, host: int, log: Path, port: int, *train_args: str) -> subprocess.Popen:
+def _torchrun(hosts: Hosts, host: int, log: Path, port: int, *train_args: str,
+              watchdog_s: float = WATCHDOG_S) -> subprocess.Popen:
     cmd = [
         "ip", "netns", "exec", hosts.names[host],
         sys.executable, "-m", "torch.distributed.run",
@@ -120,7 +122,7 @@ def _torchrun(hosts: Hosts, host: int, log: Path, port: int, *train_args: str) -
         "-m", "shardwise", "train", "-v", *TRAIN, *train_args,
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME=hosts.links[host], OMP_NUM_THREADS="1",
-               SHARDWISE_WATCHDOG_S=str(WATCHDOG_S), PYTHONUNBUFFERED="1")
+               SHARDWISE_WATCHDOG_S=str(watchdog_s), PYTHONUNBUFFERED="1")
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -132,8 +134,9 @@ def _reference(log: Path, *train_args: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def _job(hosts: Hosts, logs: list[Path], port: int, *train_args: str) -> list[subprocess.Popen]:
-    return [_torchrun(hosts, h, logs[h], port, *train_args) for h in (0, 1)]
+def _job(hosts: Hosts, logs: list[Path], port: int, *train_args: str,
+         watchdog_s: float = WATCHDOG_S) -> list[subprocess.Popen]:
+    return [_torchrun(hosts, h, logs[h], port, *train_args, watchdog_s=watchdog_s) for h in (0, 1)]
 
 
 def _tail(*logs: Path, n: int = 3000) -> str:
@@ -175,19 +178,22 @@ def _losses(metrics: Path) -> dict[int, float]:
     return {step: record["loss"] for step, record in read_metrics(metrics).items()}
 
 
-def _cut_job(hosts: Hosts, tmp_path: Path, procs: list) -> tuple[str, dict[int, float], float]:
-    """Start the 2 x 2 job with checkpoints, cut host 1's link once a checkpoint is committed,
-    and check host 0 exits with the watchdog's named error. Returns host 0's output, the
-    losses logged before the cut and the seconds to detection. ``procs`` gets the job's
-    launchers (the caller stops them)."""
+def _cut_job(hosts: Hosts, tmp_path: Path, procs: list, checkpoints: bool) -> tuple[str, dict[int, float], float]:
+    """Start the 2 x 2 job, cut host 1's link, and check host 0 exits with the watchdog's
+    named error. With ``checkpoints`` the job saves every ``EVERY`` steps and the cut waits
+    for one to be committed (step ``CUT_AFTER``); without, it cuts after step 1 and the
+    watchdog's deadline is ``WATCHDOG_S_CUT_ONLY``. Returns host 0's output, the losses
+    logged before the cut and the seconds to detection. ``procs`` gets the job's launchers
+    (the caller stops them)."""
     run, logs = tmp_path / "run.jsonl", [tmp_path / "cut-h0.log", tmp_path / "cut-h1.log"]
-    procs += _job(hosts, logs, PORT + 1, "--metrics", str(run), "--checkpoint-dir", str(tmp_path / "ckpts"),
-                  "--checkpoint-every", str(EVERY))
-    _wait_for_step(CUT_AFTER, run, 150, procs, logs)
+    saving = ["--checkpoint-dir", str(tmp_path / "ckpts"), "--checkpoint-every", str(EVERY)] if checkpoints else []
+    watchdog_s = WATCHDOG_S if checkpoints else WATCHDOG_S_CUT_ONLY
+    procs += _job(hosts, logs, PORT + 1, "--metrics", str(run), *saving, watchdog_s=watchdog_s)
+    _wait_for_step(CUT_AFTER if checkpoints else 1, run, 150, procs, logs)
     cut_at = time.monotonic()
     hosts.cut(1)
     try:
-        code = procs[0].wait(timeout=WATCHDOG_S * 6 + 30)
+        code = procs[0].wait(timeout=watchdog_s * 6 + 30)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"host 0 still running after the cut:\n{_tail(*logs)}") from None
     detected_s = time.monotonic() - cut_at
@@ -213,7 +219,7 @@ def test_cut_link_gives_a_named_error(tmp_path):
         pytest.skip(reason)
     hosts, procs = Hosts(), []
     try:
-        _cut_job(hosts, tmp_path, procs)
+        _cut_job(hosts, tmp_path, procs, checkpoints=False)
     finally:
         _stop_all(procs)
         hosts.remove()
@@ -231,7 +237,7 @@ def test_the_job_resumes_bit_identically_once_the_link_is_back(tmp_path):
     try:
         # The uninterrupted reference (one host, no checkpoints, no cut) runs beside the cut job.
         reference_job = _reference(ref_log, "--metrics", str(ref))
-        _, before_cut, _ = _cut_job(hosts, tmp_path, procs)
+        _, before_cut, _ = _cut_job(hosts, tmp_path, procs, checkpoints=True)
         _stop_all(procs)  # the cut host cannot reach the store on host 0; its job is gone with its node
         _finish([reference_job], [ref_log], 240)
         reference = _losses(ref)

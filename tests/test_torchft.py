@@ -7,7 +7,8 @@ about a second. Groups die by ``SIGKILL`` of their workers from the inside, at n
 points (``ft_all_reduce``: mid-step, in the all-reduce across groups; ``step``: between
 steps), then their launcher and any leftover worker are killed too; a group is started again
 with the same command line, as a scheduler would (its processes are launched ahead and wait
-for a file, so that the survivor does not run out of steps while they import torch).
+for a file, so that they do not import torch after the kill; alone, the survivor waits until
+they are set up, then paces its steps, so that it does not run out of steps before they join).
 
 Synchronous quorum: until the first kill, every step's per-rank loss and, at a dumped step,
 every local shard and AdamW state equal the same ranks as one ``--replicate 2`` job, bit for
@@ -61,7 +62,7 @@ pytest.importorskip("torchft")
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = Path(__file__).resolve().parent / "_torchft_child.py"
 HEARTBEAT_MS = 1000
-ALONE_STEP_S = 0.5  # a survivor's pace while alone: the restarted group (2-15 s to start here) must catch it
+ALONE_STEP_S = 0.5  # a survivor's pace while alone, once the restarted group is set up: it must catch up
 TRAIN = ["--model", "nano", "--batch-size", "2", "--seq-len", "16", "--data-bytes", "20000", "--device", "cpu",
          "--lr-schedule", "cosine", "--warmup-steps", "2"]
 TIMEOUT = 240
@@ -269,7 +270,8 @@ class Run:
         self.jobs: list[subprocess.Popen] = []
 
     def launch(self, name: str, nproc: int, steps: int, dumps: list[int], *flags: str, fault: str | None = None,
-               go: Path | None = None, alone_step_s: float = 0.0, gloo_ifname: str | None = None,
+               go: Path | None = None, alone_step_s: float = 0.0, ready: Path | None = None,
+               peer_ready: Path | None = None, gloo_ifname: str | None = None,
                wrap=lambda cmd: cmd) -> subprocess.Popen:
         out = self.tmp / name
         out.mkdir()
@@ -277,8 +279,9 @@ class Run:
         env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TEST_ALONE_STEP_S=str(alone_step_s), RUST_LOG="warn")
         if fault:
             env["SHARDWISE_FAULT"] = fault
-        if go:
-            env["TEST_GO_FILE"] = str(go)
+        for key, path in (("TEST_GO_FILE", go), ("TEST_READY_FILE", ready), ("TEST_PEER_READY_FILE", peer_ready)):
+            if path:
+                env[key] = str(path)
         if gloo_ifname:
             env["GLOO_SOCKET_IFNAME"] = gloo_ifname
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -339,15 +342,17 @@ def _assert_contiguous(records: list[dict], first: int, last: int, who: str) -> 
 
 def test_sync_quorum_survives_a_kill_mid_step_and_one_between_steps_and_heals_exactly(tmp_path):
     kill, dump = 6, 5  # group 1 dies inside step 6's all-reduce across groups, then restarts
-    kill2 = kill + 40  # group 0 dies after step 46's optimizer step: the healed group finishes alone
+    # group 0 dies after step 22's optimizer step: the healed group finishes alone. Alone, group 0
+    # waits for the restarted group's Manager, then paces its steps: that group joins well before.
+    kill2 = kill + 16
     steps = kill2 + 6
     lighthouse = Lighthouse(tmp_path / "lighthouse.log")
-    run, go = Run(tmp_path), tmp_path / "go"
+    run, go, ready = Run(tmp_path), tmp_path / "go", tmp_path / "g1b-ready"
     try:
         first = run.launch("g0", 2, steps, [dump, kill2 - 1], *_ft(0, lighthouse), fault=f"step@{kill2}",
-                           alone_step_s=ALONE_STEP_S)
+                           alone_step_s=ALONE_STEP_S, peer_ready=ready)
         victim = run.launch("g1", 2, steps, [dump], *_ft(1, lighthouse), fault=f"ft_all_reduce@{kill}")
-        restarted = run.launch("g1b", 2, steps, [kill2 - 1, steps], *_ft(1, lighthouse), go=go)
+        restarted = run.launch("g1b", 2, steps, [kill2 - 1, steps], *_ft(1, lighthouse), go=go, ready=ready)
         run.wait(victim, ok=False)
         _kill_job(victim)  # its launcher and any worker left
         go.touch()  # the same command line again, as a scheduler would restart it
