@@ -92,7 +92,9 @@ def _norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, norm_type) for t in tensors]), norm_type)
 
 
-def _reduce_over_shards(norm: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], norm_type: float) -> torch.Tensor:
+def _reduce_over_shards(
+    norm: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], norm_type: float
+) -> torch.Tensor:
     """This rank's ``norm`` of its shards reduced over every mesh dim they are sharded on,
     dim by dim in mesh order: DTensor's reduction of a partial norm (``full_tensor()``), each
     all-reduce watched by the fault monitor."""

@@ -4,8 +4,9 @@ Every shardwise collective on a process group gets the next sequence number of t
 group's ledger; ranks that run the same program give the same collective the same
 number, so "collective #41 on group G" names one thing on every rank. The ledger also
 counts steps (root forwards that use the group; on a group no root marks, its collectives:
-see :mod:`~shardwise.faults.monitor`) and names the store keys the order check uses. One ledger per process-group object (ranks can be threads of one process,
-each with its own group objects).
+see :mod:`~shardwise.faults.monitor`) and names the store keys the order check uses. One
+ledger per process-group object (ranks can be threads of one process, each with its own
+group objects).
 
 Its key prefix adds a generation: how many times this rank made a ledger for a group of
 this name *and these members*, counted in the store the keys live in (see
