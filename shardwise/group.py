@@ -351,10 +351,10 @@ class ParamGroup(TorchGroupNames):
         whose shards changed since they were gathered (an optimizer step, a checkpoint
         load) are stale: they are gathered again rather than computed with.
         """
-        if self.gathered_or_gathering and self._gathered_stale():
-            self.reshard()
         if self.sharded_state is ShardedState.UNSHARDED or self._pending_gather is not None:
-            return
+            if not self._gathered_stale():
+                return
+            self.reshard()  # now SHARDED, nothing in flight: gathered again below
         if self._params_replaced:  # module._apply or an assigning load replaced them
             self._adopt_registered_params()
         if self._on_meta:
