@@ -85,6 +85,8 @@ class ParamGroup(TorchGroupNames):
     _segments: list[torch.Tensor]  # per segment (N*width,) in row units: into _unsharded_flat, or an own output
     _param_views: list[torch.Tensor | None]  # per param: a plain param's segment viewed in its dtype
     _post_forward_shard: torch.Tensor | None  # (N/k*P,) our block's share, between fwd and bwd
+    _sites: tuple[tuple, ...]  # (module, name, param) for every site of every param: what a swap writes
+    _own_unsharded_params: tuple[ShardedParam, ...]  # Shard(d != 0): unsharded storage of their own
 
     def __init__(
         self,
@@ -96,6 +98,10 @@ class ParamGroup(TorchGroupNames):
         offload_policy: OffloadPolicy,
     ):
         self.params = params
+        # A param's sites never change after fully_shard: each swap of the group is one loop
+        # over them (2 swaps per unshard, 2 unshards per step), not a method call per param.
+        self._sites = tuple((site.module, site.name, p) for p in params for site in p.sites)
+        self._own_unsharded_params = tuple(p for p in params if p.shard_dim != 0)
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
@@ -345,10 +351,10 @@ class ParamGroup(TorchGroupNames):
         whose shards changed since they were gathered (an optimizer step, a checkpoint
         load) are stale: they are gathered again rather than computed with.
         """
-        if self.gathered_or_gathering and self._gathered_stale():
-            self.reshard()
         if self.sharded_state is ShardedState.UNSHARDED or self._pending_gather is not None:
-            return
+            if not self._gathered_stale():
+                return
+            self.reshard()  # now SHARDED, nothing in flight: gathered again below
         if self._params_replaced:  # module._apply or an assigning load replaced them
             self._adopt_registered_params()
         if self._on_meta:
@@ -457,8 +463,10 @@ class ParamGroup(TorchGroupNames):
             collectives.copy_out(pending.gathered, n, sizes, targets)
 
     def _register_unsharded(self) -> None:
-        for p in self.params:
-            p.register_unsharded()
+        """Every site of every param holds its unsharded tensor (what
+        :attr:`ShardedParam.sharded_state` reads as UNSHARDED)."""
+        for module, name, p in self._sites:
+            module._parameters[name] = p.unsharded_param  # a direct write: a plain tensor is no Parameter
         self.sharded_state = ShardedState.UNSHARDED
         tracing.emit("wait_unshard", self.fqn, self.training_state)
 
@@ -469,17 +477,19 @@ class ParamGroup(TorchGroupNames):
         if self._pending_gather is not None:
             self.wait_for_unshard()
         self._post_forward_shard = None
-        if self.sharded_state == ShardedState.SHARDED:
+        if self.sharded_state is ShardedState.SHARDED:
             return
-        if self.is_unsharded:
+        if self.sharded_state is ShardedState.UNSHARDED:  # else SHARDED_POST_FORWARD: freed already
             self._free_unsharded()
         self.sharded_state = ShardedState.SHARDED
 
     def _free_unsharded(self) -> None:
-        for p in self.params:
-            p.register_sharded()
-            if p._own_unsharded is not None:  # Shard(d != 0): storage of its own (free_own_unsharded)
-                p.free_own_unsharded()
+        """Register the sharded params on every site (:meth:`ShardedParam.register_sharded` for
+        the whole group, in one loop) and free the unsharded storage."""
+        for module, name, p in self._sites:
+            module._parameters[name] = p.sharded_param
+        for p in self._own_unsharded_params:  # Shard(d != 0): storage of its own
+            p.free_own_unsharded()
         for p in self._extended:
             p.gather.free()
         if self._unsharded_flat is not None:

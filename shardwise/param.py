@@ -85,7 +85,6 @@ class ShardedParam(TorchParamNames):
     sharded_param: nn.Parameter  # DTensor over padded_shard's real rows; the object the optimizer holds
     unsharded_param: torch.Tensor | None  # plain leaf tensor aliasing the group's unsharded buffer
     unsharded_accumulated_grad: torch.Tensor | None  # grads kept while gradient sync is off
-    sharded_state: ShardedState
 
     def __init__(self, param: nn.Parameter, sites: list[ParamSite], mesh_info: MeshInfo, shard_dim: int):
         if param.dim() == 0:
@@ -118,7 +117,6 @@ class ShardedParam(TorchParamNames):
         self.unsharded_param = None
         self._own_unsharded: torch.Tensor | None = None  # Shard(d != 0) only: (D0, *rest)
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # (D0, *rest) in reduce dtype, sync off
-        self.sharded_state = ShardedState.SHARDED
         self.shared_with: weakref.ref | None = None  # an earlier ShardedParam of the same nn.Parameter
 
     def _init_shape(self, param: torch.Tensor, rank: int) -> None:
@@ -272,10 +270,18 @@ class ShardedParam(TorchParamNames):
         return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
     def register_sharded(self) -> None:
-        tensor = self.sharded_param
-        for site in self.sites:  # ParamSite.set, inlined: twice per param and step
-            site.module._parameters[site.name] = tensor
-        self.sharded_state = ShardedState.SHARDED
+        """Every site holds the sharded parameter (a group swaps all its params in one loop
+        instead: ``ParamGroup._free_unsharded``)."""
+        for site in self.sites:
+            site.set(self.sharded_param)
+
+    @property
+    def sharded_state(self) -> ShardedState:
+        """Which tensor the modules hold (read from the first site, which every swap writes):
+        UNSHARDED while the unsharded tensor is registered, else SHARDED."""
+        site = self.sites[0]
+        held = site.module._parameters.get(site.name)
+        return ShardedState.UNSHARDED if held is not None and held is self.unsharded_param else ShardedState.SHARDED
 
     # ---- the unsharded side -----------------------------------------------------------
 
@@ -328,12 +334,6 @@ class ShardedParam(TorchParamNames):
         """Free the storage a ``Shard(d != 0)`` param owns (d == 0 params live in the group buffer)."""
         if self._own_unsharded is not None:
             self._own_unsharded.untyped_storage().resize_(0)
-
-    def register_unsharded(self) -> None:
-        tensor = self.unsharded_param
-        for site in self.sites:  # ParamSite.set, inlined: twice per param and step
-            site.module._parameters[site.name] = tensor
-        self.sharded_state = ShardedState.UNSHARDED
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The unsharded gradient as a plain tensor (a TP param's grad in its TP placements).

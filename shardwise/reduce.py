@@ -215,11 +215,14 @@ class GradReducer:
             return False
         if plan.pre_divide != 1.0 or plan.pre_multiply != 1.0 or plan.post_divide != 1.0:
             return False
-        return all(
-            type(g) is torch.Tensor and g.dtype == dtype and g.shape == p.local_size and g.is_contiguous()
-            and g.dtype == p.padded_shard.dtype and g.device == p.padded_shard.device
-            for p, g in zip(params, grads)
-        )  # fmt: skip
+        for p, g in zip(params, grads):  # a plain loop: a generator costs a frame per param
+            shard = p.padded_shard
+            if not (
+                type(g) is torch.Tensor and g.dtype == dtype and g.dtype == shard.dtype and g.device == shard.device
+                and g.shape == p.local_size and g.is_contiguous()
+            ):  # fmt: skip
+                return False
+        return True
 
     def _start_without_shards(self, params, packed: torch.Tensor, post_divide: float) -> _PendingReduce:
         """Shard size 1: nothing to reduce-scatter; replicate issues its all-reduce right away
@@ -246,6 +249,11 @@ class GradReducer:
             return
         self._pending = None
         group = self.group
+        if pending.grads is not None:  # world size 1, handed over as they are: nothing in flight or packed
+            for p, grad in zip(pending.params, pending.grads):  # already in the shard's shape
+                _accumulate_sharded_grad(p, grad)
+            tracing.emit("reduce_done", group.fqn, group.training_state)
+            return
         if pending.work is not None:
             kind = "all_reduce" if pending.all_reduced else "reduce_scatter"
             tracing.wait(pending.work, kind, group.fqn, group.training_state)
@@ -254,11 +262,6 @@ class GradReducer:
         if group.mesh_info.replicate_size > 1 and not pending.all_reduced:  # HSDP
             pending = self._all_reduce_or_defer(pending)
         if pending is None:
-            return
-        if pending.grads is not None:  # world size 1, handed over as they are
-            for p, grad in zip(pending.params, pending.grads):  # already in the shard's shape
-                _accumulate_sharded_grad(p, grad)
-            tracing.emit("reduce_done", group.fqn, group.training_state)
             return
         reduced = pending.reduced
         divide = pending.post_divide != 1.0
@@ -385,12 +388,16 @@ def _accumulate_sharded_grad(p: ShardedParam, local: torch.Tensor) -> None:
     """Store ``local`` (on the sharded param's device, in its dtype) as ``p``'s sharded
     DTensor grad, or add it to the existing one."""
     sharded = p.sharded_param
-    if sharded.grad is None:
+    grad = sharded.grad
+    if grad is None:
         sharded.grad = p.to_sharded_dtensor(local)
     else:
-        sharded.grad._local_tensor.add_(local)
+        grad._local_tensor.add_(local)
     # The sharded param is no autograd leaf of this backward (the unsharded view is), so the
     # hooks a user registered on it (an optimizer step per parameter) are run here, once its
-    # reduced gradient is in .grad, as torch's FSDP2 runs them.
-    for hook in (getattr(sharded, "_post_accumulate_grad_hooks", None) or {}).values():
-        hook(sharded)
+    # reduced gradient is in .grad, as torch's FSDP2 runs them. Every tensor has the slot
+    # (None until a hook is registered).
+    hooks = sharded._post_accumulate_grad_hooks
+    if hooks:
+        for hook in hooks.values():
+            hook(sharded)

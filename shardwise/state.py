@@ -327,7 +327,8 @@ class ModuleState(TorchStateNames, _State):
             for group in groups:
                 group.training_state = TrainingState.FORWARD
                 group.unshard(async_op=True)
-            self._prefetch_forward()  # queued behind our own all-gathers, before we wait for them
+            if self.forward_prefetch is not None or self.gathers:  # else _prefetch_forward has nothing to start
+                self._prefetch_forward()  # queued behind our own all-gathers, before we wait for them
             for group in groups:
                 group.wait_for_unshard()
         if torch.is_grad_enabled():
@@ -364,6 +365,10 @@ class ModuleState(TorchStateNames, _State):
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
 
     def _wrap_post_backward_trigger(self, args: tuple, kwargs: dict):
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # one plain tensor: most blocks
+            if not args[0].requires_grad or not self.groups:
+                return args, kwargs
+            return tuple(_PostBackwardTrigger.apply(self._weak_self, args[0])), kwargs
         plain = not kwargs and all(isinstance(x, torch.Tensor) for x in args)  # positional tensors: no pytree
         flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -444,7 +449,9 @@ class ModuleState(TorchStateNames, _State):
             return
         index = self._post_forward_indices.pop()
         if index > 0:
-            self.ctx.post_forward_order[index - 1].prefetch(in_backward=True)
+            target = self.ctx.post_forward_order[index - 1]
+            if target.gathers:  # else none of its groups has anything to gather
+                target.prefetch(in_backward=True)
 
     def prefetch(self, in_backward: bool = False) -> None:
         """Start this state's all-gathers without waiting (forward/backward prefetch); in
@@ -477,7 +484,7 @@ class ModuleState(TorchStateNames, _State):
         if group.reshard_after_backward:
             group.reshard()
         group.reduce_grads()
-        if ctx is not None and group.reducer.frees_buffer_when_done and group not in ctx.reducing:
+        if ctx is not None and group not in ctx.reducing and group.reducer.frees_buffer_when_done:
             ctx.reducing.append(group)  # the next state's post-backward waits for it, bounding memory
 
     def finish_iteration(self, wait_for_reductions: bool) -> None:
