@@ -10,10 +10,12 @@ scalars, and scales every gradient in place::
     total = (sum over groups of ||g_group||_p^p)^(1/p)     (max for p = inf)
     g *= min(1, max_norm / (total + 1e-6))
 
-A group's norm is reduced across ranks as DTensor would reduce its partial norm (so the
-result is the same, bit for bit): for each mesh dim its gradients are sharded on, in mesh
-order, ``x^p``, a SUM all-reduce on that dim's process group, ``x^(1/p)`` (MAX / MIN for
-p = inf / -inf, a plain SUM for p = 0). Each all-reduce goes through the fault monitor
+A group's norm is reduced across ranks as DTensor reduces a partial norm: for each mesh
+dim its gradients are sharded on, in mesh order, ``x^p``, a SUM all-reduce on that dim's
+process group, ``x^(1/p)`` (MAX / MIN for p = inf / -inf, a plain SUM for p = 0). With one
+sharded dim (FSDP, HSDP) the result is ``full_tensor()``'s, bit for bit; with two (FSDP x
+TP) it can differ from it in the last bit (DTensor reduces the vector of per-parameter
+norms there, we reduce their norm). Each all-reduce goes through the fault monitor
 (:func:`shardwise.faults.monitor.all_reduce`), like the library's gradient reductions: a
 peer that died or stopped before clipping is named within the watchdog's deadline instead
 of being waited on for the process group's timeout. A gradient that is itself ``Partial``
