@@ -15,6 +15,7 @@ from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardwise.testing import RankFailure, RankTimeout, multirank, pool_pids, run_on_ranks
+from shardwise.testing.pool import RankPool
 
 # -- functions that run on the ranks -------------------------------------------------
 
@@ -72,6 +73,12 @@ def _exit_hard():
     os._exit(3)
 
 
+def _environment_seen():
+    from shardwise import faults
+
+    return os.environ.get("SHARDWISE_TEST_MARK"), faults.current().watchdog_s
+
+
 # -- tests --------------------------------------------------------------------------
 
 
@@ -83,6 +90,19 @@ def test_every_rank_returns_its_value(world_size):
     assert {r["world_size"] for r in reports} == {world_size}
     assert {r["sum"] for r in reports} == {world_size * (world_size + 1) / 2}
     assert {r["tag"] for r in reports} == {"hi"}
+
+
+def test_ranks_see_the_environment_of_their_start_and_read_fault_settings_from_it(monkeypatch):
+    """Ranks are forked from a server that imported torch and shardwise earlier: they must
+    still see the environment the parent had when it started them, and shardwise must read
+    its ``SHARDWISE_*`` settings from that one (not from the server's, at import)."""
+    monkeypatch.setenv("SHARDWISE_TEST_MARK", "started-with-this")
+    monkeypatch.setenv("SHARDWISE_WATCHDOG_S", "7.5")
+    pool = RankPool(2)
+    try:
+        assert pool.run(_environment_seen, (), {}, timeout=60) == [("started-with-this", 7.5)] * 2
+    finally:
+        pool.close()
 
 
 def test_pool_is_reused_across_calls():

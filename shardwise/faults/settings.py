@@ -82,11 +82,17 @@ def _from_env() -> FaultSettings:
     return FaultSettings(order_check_steps=steps, watchdog_s=watchdog, check_init=check_init)
 
 
-_CURRENT = [_from_env()]
+_CURRENT: list[FaultSettings | None] = [None]  # read from the environment when first needed
 
 
 def current() -> FaultSettings:
-    return _CURRENT[0]
+    """This process's settings: the last :func:`configure`, else the environment as it is at
+    the first call (not at import: a process may set ``SHARDWISE_*`` after importing
+    shardwise, and the test harness's ranks are forked from a server that imported it)."""
+    settings = _CURRENT[0]
+    if settings is None:
+        settings = _CURRENT[0] = _from_env()
+    return settings
 
 
 _UNSET = object()

@@ -1,6 +1,6 @@
 """Test helpers for shardwise: real gloo ranks in warm processes, and a collective counter.
 
-- :func:`run_on_ranks` runs a module-level function on N spawned ranks (each inside an
+- :func:`run_on_ranks` runs a module-level function on N rank processes (each inside an
   initialized gloo default group) and returns every rank's value; a rank's exception
   becomes :class:`RankFailure` with its traceback, a hang becomes :class:`RankTimeout`
   with every stuck rank's Python stacks.

@@ -1,9 +1,10 @@
 """What each rank process runs: join the gloo group once, then serve tasks until told to stop.
 
-The parent (:class:`shardwise.testing.pool.RankPool`) spawns one process per rank with
+The parent (:class:`shardwise.testing.pool.RankPool`) starts one process per rank with
 :func:`worker_main` as its target and talks to it over a private pipe:
 
-1. startup: install the stack-dump handler, connect to the parent's ``TCPStore``,
+1. startup: take the parent's environment, install the stack-dump handler, connect to
+   the parent's ``TCPStore``,
    ``init_process_group("gloo", ...)`` over loopback, send :class:`Ready`;
 2. per task: receive :class:`Task`, reset the cheap per-process knobs (one intra-op
    thread, ``torch.manual_seed(0)``, grad mode, default dtype), all-gather the task id
@@ -52,8 +53,9 @@ class WorkerSpec(NamedTuple):
     world_size: int
     store_port: int  # the parent's TCPStore on 127.0.0.1
     stack_path: str  # faulthandler writes this rank's stacks here on SIGUSR1
-    parent_pid: int  # the rank exits when this process is gone
+    parent_pid: int | None  # the rank exits when this process is gone (None: started by the fork server)
     startup_timeout_s: float
+    environ: dict[str, str]  # the parent's environment when it started the rank
 
 
 class Ready(NamedTuple):
@@ -82,7 +84,9 @@ class Reply(NamedTuple):
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Entry point of a rank process (the ``target`` of the spawned Process)."""
+    """Entry point of a rank process (the ``target`` of its Process)."""
+    os.environ.clear()  # a forked rank holds the fork server's environment: the parent's, as of now
+    os.environ.update(spec.environ)
     stack_dump.install(spec.stack_path)
     _exit_with_parent(spec.parent_pid)
     _configure_process()
@@ -123,20 +127,21 @@ def _loopback_interface() -> str:
     raise RuntimeError(f"no loopback interface among {names}; set GLOO_SOCKET_IFNAME")
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def _exit_with_parent(parent_pid: int | None) -> None:
     """Leave no orphan: ask Linux to SIGKILL this process when its parent dies.
 
     ``PR_SET_PDEATHSIG`` fires when the *thread* that spawned us exits, so a pool
     started from a short-lived thread dies with it (and is replaced on the next call).
-    Elsewhere there is no such call; a rank whose parent vanished then exits on its
-    next read of the closed pipe.
+    A rank forked by the fork server (``parent_pid`` None) dies with that server, which
+    exits with the process that started it. Elsewhere there is no such call; a rank
+    whose parent vanished then exits on its next read of the closed pipe.
     """
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
 
