@@ -4,6 +4,7 @@ thread is nearly always inside a store call) and exit at once; prints the aborte
 Before the beacon threads were joined at exit, about half the runs died in
 ``std::terminate`` ("terminate called without an active exception")."""
 
+import socket
 import sys
 
 import torch.distributed as dist
@@ -18,12 +19,19 @@ def _rank(rank: int, port: int) -> None:
     dist.barrier()
 
 
+def _free_port() -> int:
+    """A port free right now (picked per run: a fixed range of ports met other tests' stores)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 if __name__ == "__main__":
-    runs, first_port = int(sys.argv[1]), int(sys.argv[2])
+    runs = int(sys.argv[1])
     aborted = 0
-    for i in range(runs):
+    for _ in range(runs):
         try:
-            mp.spawn(_rank, args=(first_port + i,), nprocs=2)
+            mp.spawn(_rank, args=(_free_port(),), nprocs=2)
         except mp.ProcessExitedException:
             aborted += 1
     print(f"aborted runs: {aborted} of {runs}")
