@@ -73,6 +73,21 @@ def _exit_hard():
     os._exit(3)
 
 
+def _configure_faults_and_count_on_world():
+    from shardwise import faults
+    from shardwise.faults import monitor
+
+    faults.configure(watchdog_s=3.5, order_check="always")
+    monitor.all_reduce(torch.ones(1), dist.group.WORLD, dist.ReduceOp.SUM, "a test's collective")
+
+
+def _fault_state_seen():
+    from shardwise import faults
+    from shardwise.faults.ledger import ledger_for
+
+    return faults.current(), ledger_for(dist.group.WORLD).seq
+
+
 def _environment_seen():
     from shardwise import faults
 
@@ -103,6 +118,16 @@ def test_ranks_see_the_environment_of_their_start_and_read_fault_settings_from_i
         assert pool.run(_environment_seen, (), {}, timeout=60) == [("started-with-this", 7.5)] * 2
     finally:
         pool.close()
+
+
+def test_each_task_starts_from_fresh_fault_state():
+    """A task's ``faults.configure()`` and the collectives it numbered on the default group
+    (which outlives tasks) must not reach the next task: a test that counts a group's steps
+    or collectives would otherwise depend on the tests before it."""
+    fresh = run_on_ranks(_fault_state_seen, 2)
+    run_on_ranks(_configure_faults_and_count_on_world, 2)
+    assert run_on_ranks(_fault_state_seen, 2) == fresh
+    assert fresh[0][1] == 0 and fresh[0][0].watchdog_s == 60.0
 
 
 def test_pool_is_reused_across_calls():

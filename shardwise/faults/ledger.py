@@ -31,7 +31,7 @@ from shardwise.faults.beacon import Beacon, beacon_for
 from shardwise.faults.records import Collective, Position
 from shardwise.faults.settings import current
 
-__all__ = ["Ledger", "ledger_for"]
+__all__ = ["Ledger", "ledger_for", "forget_all"]
 
 
 class Ledger:
@@ -122,6 +122,12 @@ def ledger_for(pg: dist.ProcessGroup) -> Ledger | None:
         del _LEDGERS[key]
     _LEDGERS[id(pg)] = (weakref.ref(pg), ledger)
     return ledger
+
+
+def forget_all() -> None:
+    """Drop every ledger: the next collective on a group makes a new one (of the next
+    generation, so it never reads the old one's store keys)."""
+    _LEDGERS.clear()
 
 
 def _generation(pg: dist.ProcessGroup) -> int:

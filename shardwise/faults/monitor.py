@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from shardwise.faults import beacon, order_check, poller
-from shardwise.faults.ledger import ledger_for
+from shardwise.faults.ledger import forget_all, ledger_for
 from shardwise.faults.records import END_OF_STEP, Collective
 from shardwise.faults.settings import current
+from shardwise.faults.settings import reset as reset_settings
 from shardwise.faults.watchdog import WatchedWork, raise_digest_error
 
-__all__ = ["issue", "all_reduce", "begin_step", "end_step", "shutdown"]
+__all__ = ["issue", "all_reduce", "begin_step", "end_step", "shutdown", "reset"]
 
 
 def _phase() -> str:
@@ -111,6 +112,16 @@ def end_step(groups: Iterable[dist.ProcessGroup]) -> None:
         if ledger is not None and settings.checks_step(ledger.step):
             position = ledger.record(Collective(END_OF_STEP, "", "backward", 0, None))
             order_check.agree(ledger, position, settings.watchdog_s)
+
+
+def reset() -> None:
+    """Start this process over as a fresh job: stop the fault threads, forget every group's
+    ledger (steps, numbering, what a root marked) and go back to the environment's
+    settings. For harnesses that run many jobs in one process: :mod:`shardwise.testing`'s
+    rank pools run one per task, so no task inherits another's steps or ``configure()``."""
+    shutdown()
+    forget_all()
+    reset_settings()
 
 
 def shutdown() -> None:

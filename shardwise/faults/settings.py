@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-__all__ = ["FaultSettings", "configure", "current"]
+__all__ = ["FaultSettings", "configure", "current", "reset"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +93,11 @@ def current() -> FaultSettings:
     if settings is None:
         settings = _CURRENT[0] = _from_env()
     return settings
+
+
+def reset() -> None:
+    """Forget :func:`configure`'s settings: the environment's again, read at the next use."""
+    _CURRENT[0] = None
 
 
 _UNSET = object()

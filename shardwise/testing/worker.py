@@ -7,7 +7,8 @@ The parent (:class:`shardwise.testing.pool.RankPool`) starts one process per ran
    the parent's ``TCPStore``,
    ``init_process_group("gloo", ...)`` over loopback, send :class:`Ready`;
 2. per task: receive :class:`Task`, reset the cheap per-process knobs (one intra-op
-   thread, ``torch.manual_seed(0)``, grad mode, default dtype), all-gather the task id
+   thread, ``torch.manual_seed(0)``, grad mode, default dtype, shardwise's fault state:
+   :func:`shardwise.faults.monitor.reset`), all-gather the task id
    to prove every rank is at the same task, give the task its own store namespace, run
    ``fn(*args, **kwargs)``, destroy any process group the task created, send :class:`Reply`;
 3. on ``None`` or a closed pipe: destroy the default group and exit at once.
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from shardwise.faults import monitor
 from shardwise.testing import stack_dump
 
 _log = logging.getLogger(__name__)
@@ -185,6 +187,7 @@ def _reset_per_task_state() -> None:
     random.seed(0)
     torch.set_grad_enabled(True)
     torch.set_default_dtype(torch.float32)
+    monitor.reset()  # no task inherits another's fault settings, steps or collective numbering
 
 
 def _extend_sys_path(parent_path: list[str]) -> None:
