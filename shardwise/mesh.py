@@ -162,11 +162,23 @@ _POST_FORWARD_GROUPS: dict[tuple[DeviceMesh, int], PostForwardGroup] = {}
 
 
 def post_forward_group(mesh_info: MeshInfo, k: int) -> PostForwardGroup:
-    """The blocks of ``k`` ranks, created once per (mesh, k) (every rank of the mesh must call this)."""
+    """The blocks of ``k`` ranks, created once per (mesh, k) while the group lives (every
+    rank of the mesh must call this). A job that destroys its process groups and makes
+    them again (equal meshes) gets a new group, not the destroyed one."""
     key = (mesh_info.mesh, k)
-    if key not in _POST_FORWARD_GROUPS:
-        _POST_FORWARD_GROUPS[key] = _new_post_forward_group(mesh_info, k)
-    return _POST_FORWARD_GROUPS[key]
+    cached = _POST_FORWARD_GROUPS.get(key)
+    if cached is None or not _alive(cached.group):
+        cached = _POST_FORWARD_GROUPS[key] = _new_post_forward_group(mesh_info, k)
+    return cached
+
+
+def _alive(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered (torch forgets a group it destroyed)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except KeyError:
+        return False
+    return True
 
 
 def _new_post_forward_group(mesh_info: MeshInfo, k: int) -> PostForwardGroup:
