@@ -190,12 +190,6 @@ def _step(model: Blocks) -> None:
     mean_across_ranks(1.0, torch.device("cpu"))
 
 
-def _restore(settings: faults.FaultSettings) -> None:
-    """The warm pool's ranks outlive the task: leave the fault settings as they were."""
-    faults.configure(order_check=settings.order_check_steps, watchdog_s=settings.watchdog_s,
-                     heartbeat_s=settings.heartbeat_s)
-
-
 def _stopped_before(pids: list[int], collective) -> tuple[str, float] | None:
     """Rank 1 stops (SIGSTOP) right before ``collective``; rank 0 runs it until the watchdog
     names the stopped rank, then wakes rank 1 (SIGCONT), which runs it too: its collective
@@ -223,8 +217,7 @@ def _job_collectives_with_a_rank_stopped_before_each(pids: list[int]) -> dict:
     from shardwise.train.distributed import DistEnv, teardown
     from shardwise.train.loop import _peaks, mean_across_ranks
 
-    settings = faults.current()
-    faults.configure(watchdog_s=DEADLINE_S)
+    faults.configure(watchdog_s=DEADLINE_S)  # the pool resets fault state before each task
     destroy = dist.destroy_process_group
     dist.destroy_process_group = lambda group=None: None  # the exit barrier's teardown: keep the pool's group
     try:
@@ -243,7 +236,6 @@ def _job_collectives_with_a_rank_stopped_before_each(pids: list[int]) -> dict:
         return found
     finally:
         dist.destroy_process_group = destroy
-        _restore(settings)
 
 
 def test_a_rank_stopped_before_a_clip_or_a_job_collective_is_named():
@@ -270,28 +262,24 @@ def _ledger_sizes(steps: tuple[int, ...]) -> list[dict]:
 
     from shardwise.faults.ledger import ledger_for
 
-    settings = faults.current()
-    faults.configure(order_check=2, watchdog_s=DEADLINE_S, heartbeat_s=0.05)
-    try:
-        model = _sharded_blocks()
-        tp_mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
-        tp_param = nn.Parameter(distribute_tensor(torch.ones(4), tp_mesh, [Shard(0)]))
-        groups = {"fsdp": model.a.weight.device_mesh.get_group(), "world": dist.group.WORLD, "tp": tp_mesh.get_group()}
-        sizes, done = [], 0
-        for count in steps:
-            for _ in range(count - done):
-                _step(model)
-                tp_param.grad = torch.ones_like(tp_param)
-                shardwise.clip_grad_norm_([tp_param], 1.0)
-            done = count
-            time.sleep(0.3)  # a few heartbeats: the step digests are compared
-            ledgers = {name: ledger_for(pg) for name, pg in groups.items()}
-            sizes.append({name: dict(in_step=len(l.digests.current), filed=len(l.digests.filed),
-                                     last_checked=l.last_checked, compared=l.digests.compared)
-                          for name, l in ledgers.items()})
-        return sizes
-    finally:
-        _restore(settings)
+    faults.configure(order_check=2, watchdog_s=DEADLINE_S, heartbeat_s=0.05)  # reset before each task
+    model = _sharded_blocks()
+    tp_mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
+    tp_param = nn.Parameter(distribute_tensor(torch.ones(4), tp_mesh, [Shard(0)]))
+    groups = {"fsdp": model.a.weight.device_mesh.get_group(), "world": dist.group.WORLD, "tp": tp_mesh.get_group()}
+    sizes, done = [], 0
+    for count in steps:
+        for _ in range(count - done):
+            _step(model)
+            tp_param.grad = torch.ones_like(tp_param)
+            shardwise.clip_grad_norm_([tp_param], 1.0)
+        done = count
+        time.sleep(0.3)  # a few heartbeats: the step digests are compared
+        ledgers = {name: ledger_for(pg) for name, pg in groups.items()}
+        sizes.append({name: dict(in_step=len(l.digests.current), filed=len(l.digests.filed),
+                                 last_checked=l.last_checked, compared=l.digests.compared)
+                      for name, l in ledgers.items()})
+    return sizes
 
 
 def test_groups_no_root_marks_stay_bounded_and_compared():
@@ -340,19 +328,16 @@ def _digest_fault(at: int) -> None:
     step's collective, which its peer never joins: it raises from the wait), adding the
     seconds since the divergent step; the collective left behind throws the pool away."""
     faults.configure(order_check=2, watchdog_s=DEADLINE_S, heartbeat_s=0.1)
-    try:
-        model = _sharded_blocks()
-        diverged = time.monotonic()
-        for step in range(at + 50):
-            if step == at:
-                diverged = time.monotonic()
-            try:
-                model(torch.ones(2, 8), order=_order("swapped", step, at)).sum().backward()
-            except faults.CollectiveMismatchError as err:
-                raise type(err)(f"{err} [detected after {time.monotonic() - diverged:.2f} s]") from None
-            time.sleep(0.02)
-    finally:
-        faults.configure(heartbeat_s=None)
+    model = _sharded_blocks()
+    diverged = time.monotonic()
+    for step in range(at + 50):
+        if step == at:
+            diverged = time.monotonic()
+        try:
+            model(torch.ones(2, 8), order=_order("swapped", step, at)).sum().backward()
+        except faults.CollectiveMismatchError as err:
+            raise type(err)(f"{err} [detected after {time.monotonic() - diverged:.2f} s]") from None
+        time.sleep(0.02)
 
 
 def test_step_digest_names_a_same_shape_divergence_past_the_checked_steps_on_every_rank():
