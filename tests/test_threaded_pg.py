@@ -102,6 +102,34 @@ class _Cases:
         ours = _shard(base, shardwise.fully_shard, mesh=mesh)
         _train_side_by_side(ours, theirs)
 
+    def test_clip_grad_norm_through_the_fault_monitor_matches_torchs_clip(self) -> None:
+        """``shardwise.clip_grad_norm_`` reduces the norm through the fault monitor (a
+        group no root marks counts each collective as a step): on thread-ranks, with every
+        default on, its norm and clipped grads match torch's ``clip_grad_norm_`` on torch's
+        FSDP2 every step, to fp32 tolerance (torch reduces each parameter's norm across
+        ranks, then their norm; shardwise this rank's norm of its shards, once: the same
+        value, rounded differently)."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        torch.manual_seed(0)
+        base = _Net()
+        theirs = _shard(copy.deepcopy(base), torch_fully_shard, mesh=mesh)
+        ours = _shard(base, shardwise.fully_shard, mesh=mesh)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        for step in range(STEPS):
+            x, y = _batch(gen)
+            for model in (ours, theirs):
+                F.mse_loss(model(x), y).backward()
+            norm = shardwise.clip_grad_norm_(ours.parameters(), 0.05)
+            reference = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05).full_tensor()
+            torch.testing.assert_close(norm, reference, msg=f"rank {dist.get_rank()} step {step}: norm")
+            assert norm > 0.05  # it clipped
+            for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+                torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), msg=f"step {step}: {name}.grad")
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+
     def test_shard_placement_on_dim_1_gives_contiguous_grads_like_torch(self) -> None:
         torch.manual_seed(0)
         base = _Net(dim=self.world_size * 3)
