@@ -33,6 +33,7 @@ from torch.distributed._composable_state import _State
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise import init_checks, tracing
+from shardwise.backward_hooks import Boundaries, PostBackwardTrigger, PreBackwardHook
 from shardwise.dynamo_compat import run_eagerly
 from shardwise.faults import monitor as faults
 from shardwise.group import ParamGroup, TrainingState
@@ -79,6 +80,7 @@ class IterationContext(TorchContextNames):
     is_last_backward: bool  # False: leave reductions in flight at the end of this backward
     iter_root: "ModuleState | None"  # the first state whose forward ran this iteration
     process_groups: list  # every process group the states communicate on (faults' step marks)
+    boundaries: Boundaries  # this forward pass's hooked tensors: where backward meets each state
 
     def __init__(self, root: "ModuleState", states: list["ModuleState"]):
         self.root = root
@@ -91,6 +93,7 @@ class IterationContext(TorchContextNames):
         self.iter_root = None
         self.forward_prefetcher = ForwardPrefetcher()
         self.process_groups = _process_groups(states)
+        self.boundaries = Boundaries()
 
     def queue_final_callback(self, state: "ModuleState") -> None:
         """Queue the end-of-backward callback, from the root or the iteration's first module.
@@ -111,8 +114,14 @@ class IterationContext(TorchContextNames):
             engine.queue_callback(self._partial_callback)
 
     def _partial_callback(self) -> None:
-        """End of a standalone module's backward: finish the reductions it left in flight."""
+        """End of a standalone module's backward: finish the reductions it left in flight.
+
+        A backward whose first pre-backward was a block's (the root's output is its last
+        block's) queues this callback before the root queues the final one, which runs
+        after it and finishes everything: nothing is left to do here then."""
         self.partial_callback_queued = False
+        if self.final_callback_queued:
+            return
         for state in self.states:
             for group in state.groups:
                 if group.training_state == TrainingState.POST_BACKWARD:
@@ -137,6 +146,7 @@ class IterationContext(TorchContextNames):
         faults.end_step(self.process_groups)
 
     def _clear(self) -> None:
+        self.boundaries.clear()
         self.post_forward_order.clear()
         self.reducing.clear()
         self.final_callback_queued = False
@@ -149,56 +159,6 @@ class IterationContext(TorchContextNames):
         self._clear()
         self.forward_prefetcher.abort()
         self.is_last_backward = True
-
-
-class _PostBackwardTrigger(torch.autograd.Function):
-    """Identity on a module's forward inputs; its backward runs once the module's grads are done."""
-
-    @staticmethod
-    def forward(ctx, state_ref, *inputs):
-        ctx.state_ref = state_ref
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        state = ctx.state_ref()
-        if state is not None:
-            state.post_backward()
-        return (None,) + grads
-
-
-class _PreBackwardHook:
-    """The hook a forward's outputs carry: the state's pre-backward, once per backward of
-    that forward (``register_multi_grad_hook(mode="any")``'s contract) on whichever of its
-    outputs' gradients comes first. One small object per forward call instead of
-    ``register_multi_grad_hook``'s closures, lock and handle wrapper (its cost was a
-    sixth of a launch-bound step's host time). Called with a tensor hook's gradient or a
-    node pre-hook's tuple of them: unused."""
-
-    __slots__ = ("state", "ran")
-
-    def __init__(self, state: "ModuleState"):
-        self.state = state
-        self.ran: dict[int, object] = {}  # graph-task ids this hook already ran in
-
-    def __call__(self, grad: Any) -> None:
-        mine = object()  # dict.setdefault is atomic: only one engine thread wins a task
-        if self.ran.setdefault(torch._C._current_graph_task_id(), mine) is mine:
-            self.state._pre_backward(grad)
-
-
-def _hook_outputs(tensors: list[torch.Tensor], hook: _PreBackwardHook) -> None:
-    """Run ``hook`` when the first of ``tensors``' gradients is about to flow back: a
-    pre-hook on each output's autograd node, which runs right where a tensor hook on the
-    output would (the node's inputs are the output's gradient), at a fiftieth of
-    ``Tensor.register_hook``'s cost (it builds a hook dict and a removable handle per call).
-    A leaf output (no node) takes a tensor hook."""
-    for t in tensors:
-        node = t.grad_fn
-        if node is None:
-            t.register_hook(hook)
-        else:
-            node.register_prehook(hook)
 
 
 class ModuleState(TorchStateNames, _State):
@@ -348,6 +308,7 @@ class ModuleState(TorchStateNames, _State):
     def _enter_forward(self) -> None:
         prefetcher = self.ctx.forward_prefetcher
         if self.is_root:
+            self.ctx.boundaries.clear()  # a new pass: no hooked tensor of the last one is an input now
             faults.begin_step(self.ctx.process_groups)
             prefetcher.start()
         prefetcher.enter(self)
@@ -365,16 +326,24 @@ class ModuleState(TorchStateNames, _State):
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
 
     def _wrap_post_backward_trigger(self, args: tuple, kwargs: dict):
+        """Arrange this state's post-backward for when its inputs' gradients are complete: a
+        pre-hook on the node of the one input that needs grad when a block before returned it
+        (:mod:`shardwise.backward_hooks`), else torch's identity Function around them all."""
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # one plain tensor: most blocks
             if not args[0].requires_grad or not self.groups:
                 return args, kwargs
-            return tuple(_PostBackwardTrigger.apply(self._weak_self, args[0])), kwargs
+            if self.ctx.boundaries.hook_input(args[0], self._weak_self):  # a pre-hook on its node
+                return args, kwargs
+            return tuple(PostBackwardTrigger.apply(self._weak_self, args[0])), kwargs
         plain = not kwargs and all(isinstance(x, torch.Tensor) for x in args)  # positional tensors: no pytree
         flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions or not self.groups:
             return args, kwargs
-        outputs = _PostBackwardTrigger.apply(self._weak_self, *(flat[i] for i in positions))
+        if len(positions) == 1 and type(flat[positions[0]]) is torch.Tensor:  # hidden states next to masks
+            if self.ctx.boundaries.hook_input(flat[positions[0]], self._weak_self):
+                return args, kwargs
+        outputs = PostBackwardTrigger.apply(self._weak_self, *(flat[i] for i in positions))
         for i, out in zip(positions, outputs):
             flat[i] = out
         return (tuple(flat), kwargs) if spec is None else spec.unflatten(flat)
@@ -392,7 +361,7 @@ class ModuleState(TorchStateNames, _State):
             leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                _hook_outputs(tensors, _PreBackwardHook(self))
+                self.ctx.boundaries.hook_outputs(tensors, PreBackwardHook(self))
         if self.is_root:
             self._complete_partial_groups()
             self.ctx.forward_prefetcher.finish()

@@ -315,16 +315,18 @@ def test_overhead_floor_mechanisms_are_identities_and_all_measured():
     """The hooked stacks of ``python -m bench.overhead_floor`` compute the plain stack's
     gradients (the trigger and hooks only observe), and every mechanism gets a figure."""
     from bench.overhead import build_stack
-    from bench.overhead_floor import MECHANISMS, _hooked_stack, format_table
+    from bench.overhead_floor import FUNCTION_TRIGGER, MECHANISMS, _hooked_stack, format_table
     from shardwise.testing import run_on_ranks
 
     x = torch.randn(3, 32)
     plain = build_stack(2)
     plain(x).sum().backward()
-    hooked = _hooked_stack(2, trigger=True, output_hook=True)
-    hooked(x).sum().backward()
-    for a, b in zip(plain.parameters(), hooked.parameters()):
-        assert torch.equal(a.grad, b.grad)
+    for trigger in ("node", "function"):
+        hooked = _hooked_stack(2, trigger=trigger, output_hook=True)
+        hooked(x).sum().backward()
+        for a, b in zip(plain.parameters(), hooked.parameters()):
+            assert torch.equal(a.grad, b.grad)
     (result,) = run_on_ranks(_floor_measured, 1, timeout=120)
-    assert set(result) == {"plain step", *MECHANISMS} and result["plain step"] > 0
-    assert format_table(2, result).splitlines()[-1].startswith("floor (sum)")
+    assert set(result) == {"plain step", *MECHANISMS, FUNCTION_TRIGGER} and result["plain step"] > 0
+    lines = format_table(2, result).splitlines()
+    assert lines[-2].startswith("floor (sum)") and lines[-1].startswith("not in the floor")

@@ -1,0 +1,165 @@
+"""Where backward crosses a state's boundary: the pre-backward and post-backward hooks.
+
+A state's forward has two boundaries, and backward meets each once per pass:
+
+- its **outputs**: when the first of their gradients is about to flow back, the state's
+  *pre-backward* runs (gather the params again). A :class:`PreBackwardHook`.
+- its **inputs**: once every gradient of its params exists, which is once the gradient of
+  its input is complete, its *post-backward* runs (reduce, reshard).
+
+torch's FSDP2 hooks the outputs with tensor hooks and marks the inputs with an identity
+``autograd.Function`` whose backward is the post-backward. Both are costly per unit on a
+launch-bound step (a Function's apply and its backward node cost about 15 µs per unit on
+CPU). shardwise hooks the autograd **node** that made a tensor instead: a node pre-hook runs
+right where a tensor hook on its output would, after every gradient into it is summed. One
+:class:`NodeHooks` per node holds every state's hook on it, because several land on one node
+in a plain stack of blocks: block ``i``'s input *is* block ``i-1``'s output (and the root's
+output is its last block's).
+
+Their order on one node is what FSDP2's graph gives (:class:`NodeHooks` says how), so the
+collectives and peak memory are FSDP2's: block ``i``'s post-backward (its reduce-scatter,
+its reshard) runs before block ``i-1``'s pre-backward (the next all-gather).
+
+:class:`Boundaries` says when an input may join the node hooks: when it is the output
+hooked last, the chain of blocks. Other inputs take :class:`PostBackwardTrigger`, the
+identity Function, as in FSDP2.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["PreBackwardHook", "PostBackwardTrigger", "NodeHooks", "Boundaries"]
+
+
+class PostBackwardTrigger(torch.autograd.Function):
+    """Identity on a module's forward inputs; its backward runs once the module's grads are done."""
+
+    @staticmethod
+    def forward(ctx, state_ref, *inputs):
+        ctx.state_ref = state_ref
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        state = ctx.state_ref()
+        if state is not None:
+            state.post_backward()
+        return (None,) + grads
+
+
+class PreBackwardHook:
+    """The hook a forward's outputs carry: the state's pre-backward, once per backward of
+    that forward (``register_multi_grad_hook(mode="any")``'s contract) on whichever of its
+    outputs' gradients comes first. One small object per forward call instead of
+    ``register_multi_grad_hook``'s closures, lock and handle wrapper (its cost was a
+    sixth of a launch-bound step's host time). Called with a tensor hook's gradient or a
+    node pre-hook's tuple of them: unused."""
+
+    __slots__ = ("state", "ran")
+
+    def __init__(self, state: Any):
+        self.state = state
+        self.ran: dict[int, object] = {}  # graph-task ids this hook already ran in
+
+    def __call__(self, grad: Any) -> None:
+        mine = object()  # dict.setdefault is atomic: only one engine thread wins a task
+        if self.ran.setdefault(torch._C._current_graph_task_id(), mine) is mine:
+            self.state._pre_backward(grad)
+
+
+class NodeHooks:
+    """Every state's hook on one autograd node, run in the order FSDP2's graph runs them.
+
+    In FSDP2 each post-backward trigger is a new node *between* the tensor and the module
+    that consumes it: it runs before anything hooked on the tensor so far, and a module
+    whose output is that very input (a module that returns its input) hooks the trigger's
+    output, which runs before the trigger. So the hooks form layers: a post-backward opens
+    a new layer on top, a pre-backward joins the top layer, and backward runs the layers
+    top first, each one's pre-backwards in the order they were added, then its
+    post-backward. Two post-backwards on one input run last-added first, as the engine
+    runs the later trigger node first.
+    """
+
+    __slots__ = ("layers",)
+
+    def __init__(self):
+        self.layers: list[list] = [[None]]  # each: [post-backward state ref or None, *pre-backward hooks]
+
+    def add_pre_backward(self, hook: PreBackwardHook) -> None:
+        self.layers[-1].append(hook)
+
+    def add_post_backward(self, state_ref: weakref.ref) -> None:
+        self.layers.append([state_ref])
+
+    def __call__(self, grads: Any) -> None:
+        layers = self.layers
+        for i in range(len(layers) - 1, -1, -1):
+            layer = layers[i]
+            for j in range(1, len(layer)):
+                layer[j](grads)
+            if layer[0] is not None:
+                state = layer[0]()
+                if state is not None:
+                    state.post_backward()
+
+
+class Boundaries:
+    """Where the next state's post-backward may join the node hooks: the output hooked last.
+
+    A block's input is usually the tensor the block before it returned, with nothing else
+    reading it: its node runs right after the block's backward, so the block's post-backward
+    can be a pre-hook there (in a layer above the earlier block's pre-backward, see
+    :class:`NodeHooks`). Any other input takes :class:`PostBackwardTrigger`, a node of its
+    own as in FSDP2: a tensor read by several blocks (parallel branches) waits at its node
+    for all of them, and one block's post-backward must not wait for another's backward.
+    What reads the tensor between the two blocks (not a block: an op, an un-sharded
+    module) runs its backward before that node too, as if it belonged to the block.
+
+    Only weak references are held: a graph that nobody backpropagates through is never
+    kept alive. The output counts only at the version it was hooked at: an in-place change
+    gives the tensor a new node.
+    """
+
+    __slots__ = ("_last",)
+
+    def __init__(self):
+        self._last: tuple | None = None  # (weak ref, version, NodeHooks) of the output hooked last
+
+    def clear(self) -> None:
+        self._last = None
+
+    def _hooks_of_last(self, t: torch.Tensor) -> NodeHooks | None:
+        last = self._last
+        if last is not None and last[0]() is t and last[1] == t._version:
+            return last[2]
+        return None
+
+    def hook_outputs(self, tensors: list[torch.Tensor], hook: PreBackwardHook) -> None:
+        """Run ``hook`` when the first of ``tensors``' gradients is about to flow back. A
+        leaf output (no node) takes a tensor hook."""
+        last = None
+        for t in tensors:
+            hooks = self._hooks_of_last(t)
+            if hooks is None:
+                node = t.grad_fn
+                if node is None:
+                    t.register_hook(hook)
+                    continue
+                hooks = NodeHooks()
+                node.register_prehook(hooks)
+            hooks.add_pre_backward(hook)
+            last = (weakref.ref(t), t._version, hooks)
+        self._last = last if len(tensors) == 1 else None
+
+    def hook_input(self, t: torch.Tensor, state_ref: weakref.ref) -> bool:
+        """Run the state's post-backward at ``t``'s node if ``t`` is the output hooked last;
+        else False (the caller uses :class:`PostBackwardTrigger`)."""
+        hooks = self._hooks_of_last(t)
+        if hooks is None:
+            return False
+        hooks.add_post_backward(state_ref)
+        return True
