@@ -81,7 +81,7 @@ class ParamGroup(TorchGroupNames):
     _params_replaced: bool  # module._apply / load_state_dict(assign=True) replaced params: adopt lazily
     _on_meta: list[ShardedParam]  # params whose shard is on meta (changes only where shards are made)
     _unsharded_flat: torch.Tensor | None  # (N*P',) plain params' rows, row dtype; storage empty while sharded
-    _aliased: bool  # shard size 1, nothing to cast or move: segments are the padded shards
+    aliases_shard: bool  # shard size 1, nothing to cast or move: segments (and the unsharded params) are the padded shards
     _segments: list[torch.Tensor]  # per segment (N*width,) in row units: into _unsharded_flat, or an own output
     _param_views: list[torch.Tensor | None]  # per param: a plain param's segment viewed in its dtype
     _post_forward_shard: torch.Tensor | None  # (N/k*P,) our block's share, between fwd and bwd
@@ -165,7 +165,7 @@ class ParamGroup(TorchGroupNames):
     def _drop_unsharded_buffers(self) -> None:
         """Forget the unsharded buffers and params; the next unshard builds them again."""
         self._unsharded_flat = None
-        self._aliased = False
+        self.aliases_shard = False
         self._segments, self._param_views, self._own_outputs = [], [], ()
         self._buffer_layout = None
         for p in self.params:
@@ -249,7 +249,7 @@ class ParamGroup(TorchGroupNames):
     # ---- unshard ----------------------------------------------------------------------
 
     @property
-    def _aliases_shard(self) -> bool:
+    def _can_alias_shard(self) -> bool:
         """One shard of the whole params (world size 1, replicate) needing no cast or device
         copy: the unsharded params alias the padded shards, and nothing is copied or freed."""
         dtypes = self._layout.dtypes
@@ -265,8 +265,8 @@ class ParamGroup(TorchGroupNames):
         if layout is None or (self._segments and self._buffer_layout is layout):
             return
         self._buffer_layout = layout
-        self._aliased = self._aliases_shard
-        if self._aliased:
+        self.aliases_shard = self._can_alias_shard
+        if self.aliases_shard:
             self._unsharded_flat = None
             self._segments = [p.padded_shard.view(-1) for p in self.params]
         else:
@@ -368,7 +368,7 @@ class ParamGroup(TorchGroupNames):
             self._wait_post_optim_event()
         self._ensure_unsharded_buffer()
         tracing.emit("unshard", self.fqn, self.training_state)
-        if self._aliased:
+        if self.aliases_shard:
             self._register_unsharded()
             return
         self._gathered_version = self._shard_version()
@@ -396,7 +396,7 @@ class ParamGroup(TorchGroupNames):
     def _gathered_stale(self) -> bool:
         """Whether a sharded param changed since the last all-gather (an optimizer step, a
         checkpoint load). Aliased params (``replicate``) are the shard: never stale."""
-        return not self._aliased and self._shard_version() != self._gathered_version
+        return not self.aliases_shard and self._shard_version() != self._gathered_version
 
     def _gather_scratch(self, gathered: torch.Tensor, post_forward_shard: torch.Tensor | None) -> list[torch.Tensor]:
         """The buffers of this all-gather that die at copy-out: the post-forward shard it

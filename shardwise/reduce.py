@@ -45,6 +45,7 @@ class ReducingGroup(Protocol):
     device: torch.device
     fqn: str
     training_state: enum.Enum  # group.TrainingState
+    aliases_shard: bool  # the unsharded params are the padded shards: their grads have the shards' metadata
 
 
 @dataclasses.dataclass
@@ -209,18 +210,20 @@ class GradReducer:
         """World size 1 with nothing to do to the gradients: no cast, no division, no hook, no
         device move. Each unsharded gradient then *is* its sharded gradient (the same shape,
         values and layout the pack-and-split would give), so it is handed over as it is:
-        packing would only copy it into a buffer and split it out again."""
-        mesh_info = self.group.mesh_info
+        packing would only copy it into a buffer and split it out again.
+
+        The unsharded params of such a group are its padded shards (``aliases_shard``), and
+        torch gives a plain tensor's ``.grad`` its tensor's dtype, device and shape (autograd
+        and the setter both check): what is left to check per gradient is that it is plain,
+        in the reduce dtype and contiguous (the setter takes any strides)."""
+        group = self.group
+        mesh_info = group.mesh_info
         if mesh_info.shard_size != 1 or mesh_info.replicate_size != 1 or self.all_reduce_hook is not None:
             return False
-        if plan.pre_divide != 1.0 or plan.pre_multiply != 1.0 or plan.post_divide != 1.0:
+        if not group.aliases_shard or plan.pre_divide != 1.0 or plan.pre_multiply != 1.0 or plan.post_divide != 1.0:
             return False
-        for p, g in zip(params, grads):  # a plain loop: a generator costs a frame per param
-            shard = p.padded_shard
-            if not (
-                type(g) is torch.Tensor and g.dtype == dtype and g.dtype == shard.dtype and g.device == shard.device
-                and g.shape == p.local_size and g.is_contiguous()
-            ):  # fmt: skip
+        for g in grads:  # a plain loop: a generator costs a frame per param
+            if not (type(g) is torch.Tensor and g.dtype == dtype and g.is_contiguous()):
                 return False
         return True
 
