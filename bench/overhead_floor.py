@@ -13,12 +13,16 @@ model on its own, per unit (one block: two Linears, four parameters)::
                         autograd.Function on the inputs, is printed below the floor: a
                         Function's apply and backward node cost more
     pre-backward        a pre-hook on the autograd node of each unit's output
+    DTensor gradients   each backward's gradient of the unit's four parameters made a
+                        DTensor and set as ``.grad`` (the API makes sharded gradients
+                        DTensors; autograd sets a plain model's for free)
     DTensor optimizer   SGD over the unit's four parameters as DTensors with DTensor
                         gradients (the API makes sharded parameters and gradients DTensors)
                         against the same SGD over plain tensors
 
 Each figure is the training thread's CPU time (robust to a loaded machine), the 20th
-percentile of ``steps`` steps (the fastest of ``rounds`` interleaved rounds), over the
+percentile of ``steps`` steps taken in turns with every other variant (the fastest of
+``rounds`` rounds), over the
 plain model's, divided by K. Their sum is the
 floor under shardwise's (and torch FSDP2's) per-unit overhead on CPU, where SGD runs one
 tensor at a time (on a GPU it runs ``foreach``: one DTensor dispatch per step, not per
@@ -39,14 +43,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from bench.launch import _loopback_interface, _loopback_store
 from bench.overhead import WIDTH, BATCH, build_stack
 
 __all__ = ["MECHANISMS", "measure", "main"]
 
-MECHANISMS = ("module hooks", "post-backward", "pre-backward", "DTensor optimizer")
+MECHANISMS = ("module hooks", "post-backward", "pre-backward", "DTensor gradients", "DTensor optimizer")
 FUNCTION_TRIGGER = "post-backward as an autograd.Function (FSDP2's)"
 
 
@@ -87,20 +91,29 @@ def _hooked_stack(k: int, trigger: str | None, output_hook: bool) -> nn.Module:
     return model
 
 
-def _cpu_us(step: Callable[[], None], steps: int, before: Callable[[], None] = lambda: None) -> float:
-    """20th percentile of ``step``'s thread CPU time, in µs (after a few untimed steps);
-    ``before`` runs ahead of each step, untimed."""
-    times = []
+_Arm = tuple[Callable[[], None], Callable[[], None]]  # (untimed setup before each step, the timed step)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _interleaved_cpu_us(arms: dict[str, _Arm], steps: int) -> dict[str, float]:
+    """Each arm's 20th percentile of its step's thread CPU time, in µs, the arms taking
+    turns one step each (after a few untimed steps): a machine's passing load lands on
+    all of them alike, instead of on whichever ran its steps in that second."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
     for i in range(steps + 5):
-        before()
-        start = time.thread_time()
-        step()
-        if i >= 5:
-            times.append(time.thread_time() - start)
-    return sorted(times)[len(times) // 5] * 1e6
+        for name, (before, step) in arms.items():
+            before()
+            start = time.thread_time()
+            step()
+            if i >= 5:
+                times[name].append(time.thread_time() - start)
+    return {name: sorted(t)[len(t) // 5] * 1e6 for name, t in times.items()}
 
 
-def _train_step_us(model: nn.Module, steps: int) -> float:
+def _train_step(model: nn.Module) -> _Arm:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
 
@@ -109,10 +122,10 @@ def _train_step_us(model: nn.Module, steps: int) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _cpu_us(step, steps)
+    return _nothing, step
 
 
-def _optimizer_step_us(params: list[torch.Tensor], steps: int) -> float:
+def _optimizer_step(params: list[torch.Tensor]) -> _Arm:
     """SGD's step (and zero_grad) alone, gradients set before each."""
     optimizer = torch.optim.SGD(params, lr=0.01)
     grads = [torch.ones_like(p) for p in params]
@@ -125,7 +138,24 @@ def _optimizer_step_us(params: list[torch.Tensor], steps: int) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _cpu_us(step, steps, before=set_grads)
+    return set_grads, step
+
+
+def _grad_wrapping(params: list[nn.Parameter]) -> _Arm:
+    """Making each parameter's gradient a DTensor with its spec and setting ``.grad``, as
+    a backward's last step does (the cheapest way known: DTensor's own ``__new__``)."""
+    locals_ = [torch.ones_like(p._local_tensor) for p in params]
+    specs = [p._spec for p in params]
+
+    def clear() -> None:
+        for p in params:
+            p.grad = None
+
+    def step() -> None:
+        for p, local, spec in zip(params, locals_, specs):
+            p.grad = DTensor.__new__(DTensor, local, spec, requires_grad=False)
+
+    return clear, step
 
 
 def _dtensor_params(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
@@ -133,24 +163,25 @@ def _dtensor_params(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
 
 
 def _measure_once(k: int, steps: int, mesh: DeviceMesh) -> dict[str, float]:
-    """One round: the step (or optimizer step) CPU µs of every variant, in turn."""
+    """One round: the step (or optimizer step) CPU µs of every variant, interleaved."""
     model = build_stack(k)
-    return {
-        "plain": _train_step_us(build_stack(k), steps),
-        "hooks": _train_step_us(_hooked_stack(k, trigger=None, output_hook=False), steps),
-        "post": _train_step_us(_hooked_stack(k, trigger="node", output_hook=False), steps),
-        "post function": _train_step_us(_hooked_stack(k, trigger="function", output_hook=False), steps),
-        "pre": _train_step_us(_hooked_stack(k, trigger=None, output_hook=True), steps),
-        "opt plain": _optimizer_step_us(list(model.parameters()), steps),
-        "opt dtensor": _optimizer_step_us(_dtensor_params(model, mesh), steps),
-    }
+    return _interleaved_cpu_us({
+        "plain": _train_step(build_stack(k)),
+        "hooks": _train_step(_hooked_stack(k, trigger=None, output_hook=False)),
+        "post": _train_step(_hooked_stack(k, trigger="node", output_hook=False)),
+        "post function": _train_step(_hooked_stack(k, trigger="function", output_hook=False)),
+        "pre": _train_step(_hooked_stack(k, trigger=None, output_hook=True)),
+        "opt plain": _optimizer_step(list(model.parameters())),
+        "opt dtensor": _optimizer_step(_dtensor_params(model, mesh)),
+        "grad dtensor": _grad_wrapping(_dtensor_params(model, mesh)),
+    }, steps)
 
 
 def measure(k: int, steps: int, mesh: DeviceMesh, rounds: int = 3) -> dict[str, float]:
     """Per-unit µs of each mechanism over the plain stack (see the module docstring).
 
-    Every variant runs once per round, in turn; each keeps its fastest round, as a
-    machine's passing load only ever adds time."""
+    The variants take turns step by step within a round; each keeps its fastest round,
+    as a machine's passing load only ever adds time."""
     runs = [_measure_once(k, steps, mesh) for _ in range(rounds)]
     best = {name: min(run[name] for run in runs) for name in runs[0]}
     return {
@@ -159,6 +190,7 @@ def measure(k: int, steps: int, mesh: DeviceMesh, rounds: int = 3) -> dict[str, 
         "post-backward": (best["post"] - best["hooks"]) / k,
         FUNCTION_TRIGGER: (best["post function"] - best["hooks"]) / k,
         "pre-backward": (best["pre"] - best["hooks"]) / k,
+        "DTensor gradients": best["grad dtensor"] / k,
         "DTensor optimizer": (best["opt dtensor"] - best["opt plain"]) / k,
     }
 
