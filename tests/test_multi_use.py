@@ -18,7 +18,10 @@ from torch.distributed.tensor import DTensor
 import shardwise
 from _control_helpers import (
     DIM,
+    IN_DIM,
+    OUT_DIM,
     VOCAB,
+    Block,
     ChunkedHead,
     Stack,
     TiedStack,
@@ -250,3 +253,74 @@ def _tied_and_grouped_root() -> None:
 
 def test_tied_weights_and_grouped_root():
     run_on_ranks(_tied_and_grouped_root, 2, timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------- where backward meets the blocks
+
+
+class _Passthrough(nn.Module):
+    """A sharded block that hands its input back as it is (a skipped layer): its params
+    get no gradient, and its pre- and post-backward meet on its input's autograd node."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _Graphs(nn.Module):
+    """Graphs where a block's input is not simply the previous block's output alone."""
+
+    def __init__(self, case: str):
+        super().__init__()
+        self.case = case
+        self.inp, self.out = nn.Linear(IN_DIM, DIM), nn.Linear(DIM, OUT_DIM)
+        self.layers = nn.ModuleList([Block(), _Passthrough() if case == "passthrough" else Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers[0](self.inp(x))
+        if self.case == "two_readers":  # layers 1 and 2 both read layer 0's output
+            return self.out(self.layers[1](h) * self.layers[2](h))
+        if self.case == "read_between":  # an op reads layer 0's output before layer 1 does
+            scale = h.tanh().mean()
+            return self.out(self.layers[2](self.layers[1](h) * scale))
+        return self.out(self.layers[2](self.layers[1](h)))  # passthrough
+
+
+def _backward_meets_blocks(case: str) -> None:
+    rank = dist.get_rank()
+    ours, theirs, ref = make_trio(lambda: _Graphs(case), shard_stack)
+    trio = Trio(ours, theirs, ref)
+    gen = rank_gen()
+    for step in range(STEPS):
+        plain, traces = _plain_step(batch(gen)), []
+
+        def fn(model, rec):
+            if rec.name != "ours":
+                return plain(model, rec)
+            with shardwise.trace() as t:
+                loss = plain(model, rec)
+            traces.append([(e.kind, e.fqn) for e in t.events])
+            return loss
+
+        res = trio.run(fn)
+        where = f"{case}, step {step}, rank {rank}"
+        phases = same_phases(res, where)
+        assert phases["backward"]["reduce_scatter"] == 4 - (case == "passthrough"), f"{where}: {phases}"
+        if case == "two_readers":  # layers.2 ran last: its post-backward does not wait for layers.1's backward
+            events = traces[-1]
+            first, then = ("post_backward", "layers.2"), ("wait_unshard", "layers.1")
+            assert events.index(first) < len(events) - events[::-1].index(then) - 1, f"{where}: {events}"
+        if case == "passthrough":
+            assert ours.layers[1].lin.weight.grad is None, f"{where}: the passthrough's unused params got a grad"
+        assert all(isinstance(p, DTensor) for p in ours.parameters()), f"{where}: not resharded after the step"
+
+
+@pytest.mark.parametrize("case", ["two_readers", "read_between", "passthrough"])
+def test_backward_meets_blocks_as_in_torch(case):
+    """Losses, params and grads equal torch's every step, and the collectives per phase
+    too, where a block's post-backward cannot simply follow the previous block's output
+    (:mod:`shardwise.backward_hooks`)."""
+    run_on_ranks(_backward_meets_blocks, 2, case, timeout=TIMEOUT)
