@@ -58,7 +58,6 @@ class _PendingReduce:
     divide_before_hook: bool = False  # post_divide stands in for torch's AVG: the hook sees the mean
     all_reduced: bool = False  # replicate-only: the all-reduce was the collective in flight
     receive_buffer: bool = False  # the collective holds a receive buffer besides ``reduced``
-    grads: list[torch.Tensor] | None = None  # world size 1: the gradients themselves, nothing packed
 
 
 class GradReducer:
@@ -178,9 +177,11 @@ class GradReducer:
         n = mesh_info.shard_size
         dtype = self._reduce_dtype(grads[0].dtype)
         plan = collectives.plan_reduction(dtype, n * mesh_info.replicate_size, self.divide_factor, n, self.force_sum)
-        if self._grads_are_shards(params, grads, dtype, plan):
+        if self._grads_are_shards(params, grads, dtype, plan):  # nothing to wait for: the grads are set now
             tracing.emit("reduce", group.fqn, group.training_state)
-            self._pending = _PendingReduce(None, None, params, 1.0, None, grads=grads)
+            for p, grad in zip(params, grads):
+                _accumulate_sharded_grad(p, grad)
+            tracing.emit("reduce_done", group.fqn, group.training_state)
             return
         packed = self._pack(params, grads, dtype, plan.pre_divide)  # (N, Pg) in reduce_dtype
         if plan.pre_multiply != 1.0:
@@ -209,8 +210,9 @@ class GradReducer:
     ) -> bool:
         """World size 1 with nothing to do to the gradients: no cast, no division, no hook, no
         device move. Each unsharded gradient then *is* its sharded gradient (the same shape,
-        values and layout the pack-and-split would give), so it is handed over as it is:
-        packing would only copy it into a buffer and split it out again.
+        values and layout the pack-and-split would give), so it is handed over as it is,
+        in the post-backward (nothing is in flight to wait for; FSDP2 sets ``.grad`` there
+        too): packing would only copy it into a buffer and split it out again.
 
         The unsharded params of such a group are its padded shards (``aliases_shard``), and
         torch gives a plain tensor's ``.grad`` its tensor's dtype, device and shape (autograd
@@ -252,11 +254,6 @@ class GradReducer:
             return
         self._pending = None
         group = self.group
-        if pending.grads is not None:  # world size 1, handed over as they are: nothing in flight or packed
-            for p, grad in zip(pending.params, pending.grads):  # already in the shard's shape
-                _accumulate_sharded_grad(p, grad)
-            tracing.emit("reduce_done", group.fqn, group.training_state)
-            return
         if pending.work is not None:
             kind = "all_reduce" if pending.all_reduced else "reduce_scatter"
             tracing.wait(pending.work, kind, group.fqn, group.training_state)
