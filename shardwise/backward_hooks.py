@@ -28,26 +28,39 @@ identity Function, as in FSDP2.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["PreBackwardHook", "PostBackwardTrigger", "NodeHooks", "Boundaries"]
+__all__ = ["PreBackwardHook", "PostBackwardTrigger", "NodeHooks", "Boundaries", "weak_post_backward"]
+
+OnBackward = Callable[[], None]  # what a post-backward hook calls: see weak_post_backward
+
+
+def weak_post_backward(state_ref: weakref.ref) -> OnBackward:
+    """``state.post_backward()`` through a weak reference: what the autograd graph holds of
+    a state, so a graph never keeps a state alive (nor a state itself, through its own)."""
+
+    def on_backward() -> None:
+        state = state_ref()
+        if state is not None:
+            state.post_backward()
+
+    return on_backward
 
 
 class PostBackwardTrigger(torch.autograd.Function):
-    """Identity on a module's forward inputs; its backward runs once the module's grads are done."""
+    """Identity on a module's forward inputs; its backward calls ``on_backward()``, once the
+    module's grads are done (the planner's activation model marks its units with it too)."""
 
     @staticmethod
-    def forward(ctx, state_ref, *inputs):
-        ctx.state_ref = state_ref
+    def forward(ctx, on_backward: OnBackward, *inputs):
+        ctx.on_backward = on_backward
         return inputs
 
     @staticmethod
     def backward(ctx, *grads):
-        state = ctx.state_ref()
-        if state is not None:
-            state.post_backward()
+        ctx.on_backward()
         return (None,) + grads
 
 
@@ -87,13 +100,13 @@ class NodeHooks:
     __slots__ = ("layers",)
 
     def __init__(self):
-        self.layers: list[list] = [[None]]  # each: [post-backward state ref or None, *pre-backward hooks]
+        self.layers: list[list] = [[None]]  # each: [a post-backward's on_backward or None, *pre-backward hooks]
 
     def add_pre_backward(self, hook: PreBackwardHook) -> None:
         self.layers[-1].append(hook)
 
-    def add_post_backward(self, state_ref: weakref.ref) -> None:
-        self.layers.append([state_ref])
+    def add_post_backward(self, on_backward: OnBackward) -> None:
+        self.layers.append([on_backward])
 
     def __call__(self, grads: Any) -> None:
         layers = self.layers
@@ -102,9 +115,7 @@ class NodeHooks:
             for j in range(1, len(layer)):
                 layer[j](grads)
             if layer[0] is not None:
-                state = layer[0]()
-                if state is not None:
-                    state.post_backward()
+                layer[0]()
 
 
 class Boundaries:
@@ -155,11 +166,11 @@ class Boundaries:
             last = (weakref.ref(t), t._version, hooks)
         self._last = last if len(tensors) == 1 else None
 
-    def hook_input(self, t: torch.Tensor, state_ref: weakref.ref) -> bool:
-        """Run the state's post-backward at ``t``'s node if ``t`` is the output hooked last;
-        else False (the caller uses :class:`PostBackwardTrigger`)."""
+    def hook_input(self, t: torch.Tensor, on_backward: OnBackward) -> bool:
+        """Call ``on_backward`` (a post-backward) at ``t``'s node if ``t`` is the output hooked
+        last; else False (the caller uses :class:`PostBackwardTrigger`)."""
         hooks = self._hooks_of_last(t)
         if hooks is None:
             return False
-        hooks.add_post_backward(state_ref)
+        hooks.add_post_backward(on_backward)
         return True

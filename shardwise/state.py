@@ -33,7 +33,7 @@ from torch.distributed._composable_state import _State
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardwise import init_checks, tracing
-from shardwise.backward_hooks import Boundaries, PostBackwardTrigger, PreBackwardHook
+from shardwise.backward_hooks import Boundaries, PostBackwardTrigger, PreBackwardHook, weak_post_backward
 from shardwise.dynamo_compat import run_eagerly
 from shardwise.faults import monitor as faults
 from shardwise.group import ParamGroup, TrainingState
@@ -198,7 +198,7 @@ class ModuleState(TorchStateNames, _State):
         self.unshard_async_op = False  # torch's _set_unshard_async_op; shardwise is always async inside
         self._post_forward_indices: list[int] = []
         self._members_to_run: set[int] = {id(m) for m in self.modules}  # grouped call: who has not run
-        self._weak_self = weakref.ref(self)  # what each forward's trigger holds: autograd's graph never keeps us alive
+        self._on_backward = weak_post_backward(weakref.ref(self))  # what the graph holds: never keeps us alive
         # The hooks as every caller must use them: never traced by torch.compile (dynamo_compat).
         self.pre_forward_hook = run_eagerly(self._pre_forward_hook)
         self.post_forward_hook = run_eagerly(self._post_forward_hook)
@@ -332,18 +332,18 @@ class ModuleState(TorchStateNames, _State):
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # one plain tensor: most blocks
             if not args[0].requires_grad or not self.groups:
                 return args, kwargs
-            if self.ctx.boundaries.hook_input(args[0], self._weak_self):  # a pre-hook on its node
+            if self.ctx.boundaries.hook_input(args[0], self._on_backward):  # a pre-hook on its node
                 return args, kwargs
-            return tuple(PostBackwardTrigger.apply(self._weak_self, args[0])), kwargs
+            return tuple(PostBackwardTrigger.apply(self._on_backward, args[0])), kwargs
         plain = not kwargs and all(isinstance(x, torch.Tensor) for x in args)  # positional tensors: no pytree
         flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions or not self.groups:
             return args, kwargs
         if len(positions) == 1 and type(flat[positions[0]]) is torch.Tensor:  # hidden states next to masks
-            if self.ctx.boundaries.hook_input(flat[positions[0]], self._weak_self):
+            if self.ctx.boundaries.hook_input(flat[positions[0]], self._on_backward):
                 return args, kwargs
-        outputs = PostBackwardTrigger.apply(self._weak_self, *(flat[i] for i in positions))
+        outputs = PostBackwardTrigger.apply(self._on_backward, *(flat[i] for i in positions))
         for i, out in zip(positions, outputs):
             flat[i] = out
         return (tuple(flat), kwargs) if spec is None else spec.unflatten(flat)

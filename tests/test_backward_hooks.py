@@ -14,7 +14,7 @@ import weakref
 import pytest
 import torch
 
-from shardwise.backward_hooks import Boundaries, PostBackwardTrigger, PreBackwardHook
+from shardwise.backward_hooks import Boundaries, PostBackwardTrigger, PreBackwardHook, weak_post_backward
 
 
 class _Recorder:
@@ -40,7 +40,7 @@ class _FSDP2Wiring:
         return self.states.setdefault(name, _Recorder(name, self.log))
 
     def enter(self, name, x):
-        (out,) = PostBackwardTrigger.apply(weakref.ref(self.state(name)), x)
+        (out,) = PostBackwardTrigger.apply(self.state(name).post_backward, x)
         return out
 
     def leave(self, name, out):
@@ -56,7 +56,7 @@ class _ShardwiseWiring(_FSDP2Wiring):
         self.boundaries = Boundaries()
 
     def enter(self, name, x):
-        if self.boundaries.hook_input(x, weakref.ref(self.state(name))):
+        if self.boundaries.hook_input(x, self.state(name).post_backward):
             return x
         return super().enter(name, x)
 
@@ -117,7 +117,7 @@ def test_only_the_output_hooked_last_joins_its_node():
     unchanged since: a second reader of a tensor, a leaf, an output changed in place and
     a tensor from before the root's forward take the identity Function."""
     boundaries = Boundaries()
-    ref = weakref.ref(_Recorder("r", []))
+    ref = _Recorder("r", []).post_backward
     w = torch.ones(4, requires_grad=True)
     assert not boundaries.hook_input(w, ref)  # a leaf: no node of ours
     h = w * 2
@@ -144,9 +144,24 @@ def test_boundaries_hold_no_graph_alive():
     saved = torch.full((4,), 2.0)
     out = w * saved  # MulBackward saves ``saved``
     boundaries.hook_outputs([out], PreBackwardHook(_Recorder("r", [])))
-    assert boundaries.hook_input(out, weakref.ref(_Recorder("next", [])))
+    assert boundaries.hook_input(out, _Recorder("next", []).post_backward)
     saved_ref = weakref.ref(saved)
     del saved
     assert saved_ref() is not None  # the graph holds it
     del out
     assert saved_ref() is None
+
+
+def test_the_graph_keeps_no_state_alive():
+    """What a state hands the graph (:func:`weak_post_backward`) holds it weakly: a state
+    dropped before backward is freed, and its post-backward is then skipped."""
+    log: list = []
+    state = _Recorder("gone", log)
+    on_backward = weak_post_backward(weakref.ref(state))
+    w = torch.ones(3, requires_grad=True)
+    (out,) = PostBackwardTrigger.apply(on_backward, w * 2)
+    state_ref = weakref.ref(state)
+    del state
+    assert state_ref() is None
+    out.sum().backward()
+    assert log == [] and torch.equal(w.grad, torch.full((3,), 2.0))

@@ -35,6 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from shardwise.backward_hooks import PostBackwardTrigger
+
 __all__ = ["Mark", "ActivationTrace", "trace_activations", "synthetic_marks"]
 
 Mark = tuple[str, str]
@@ -120,20 +122,6 @@ class _LiveBytes(TorchDispatchMode):
         self._refs.pop(key, None)
 
 
-class _PostBackwardMark(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward marks the unit's post-backward."""
-
-    @staticmethod
-    def forward(ctx, on_backward, *inputs):
-        ctx.on_backward = on_backward
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.on_backward()
-        return (None,) + grads
-
-
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -147,7 +135,7 @@ def _hook_unit(module: nn.Module, fqn: str, tracker: _LiveBytes, handles: list) 
         pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not pos:
             return None
-        outs = _PostBackwardMark.apply(lambda: tracker.mark("post_backward", fqn), *(flat[i] for i in pos))
+        outs = PostBackwardTrigger.apply(lambda: tracker.mark("post_backward", fqn), *(flat[i] for i in pos))
         for i, o in zip(pos, outs):
             flat[i] = o
         return spec.unflatten(flat)
