@@ -124,19 +124,24 @@ def _refill(out: torch.Tensor, data: torch.Tensor) -> None:
 
 
 class Net(nn.Module):
-    def __init__(self, kind: type, rows: int = 16):
+    """Two subclass-weight Linears, a ReLU between them; ``chained``: none, so the second
+    unit's input is the first unit's output (its post-backward a pre-hook on that node)."""
+
+    def __init__(self, kind: type, rows: int = 16, chained: bool = False):
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(8, rows, bias=False), nn.Linear(rows, 8)])
         for layer in self.layers:
             layer.weight = nn.Parameter(kind(layer.weight.detach().clone()))
+        self.chained = chained
 
     def forward(self, x):
-        return self.layers[1](torch.relu(self.layers[0](x)))
+        h = self.layers[0](x)
+        return self.layers[1](h if self.chained else torch.relu(h))
 
 
-def _case(kind: type, rows: int = 16, **kwargs) -> Case:
+def _case(kind: type, rows: int = 16, chained: bool = False, **kwargs) -> Case:
     return Case(
-        build=lambda: Net(kind, rows),
+        build=lambda: Net(kind, rows, chained),
         shard_units=lambda m: list(m.layers),
         batch=lambda gen: torch.randn(4, 8, generator=gen),
         **kwargs,
@@ -163,8 +168,13 @@ def _parity(kind_name: str, rows: int, kwargs: dict) -> list:
         ("two", 16, {}),
         ("two", 15, {}),  # uneven: rank 1's shard is padded, the 5-arg signature returns padded inputs
         ("two", 15, {"param_dtype": BF16, "reduce_dtype": torch.float32}),
+        ("one", 16, {"chained": True}),
+        ("two", 15, {"chained": True}),
     ],
-    ids=["one_input", "one_input_keep", "one_input_bf16", "two_inputs", "two_inputs_uneven", "two_inputs_bf16"],
+    ids=[
+        "one_input", "one_input_keep", "one_input_bf16", "two_inputs", "two_inputs_uneven", "two_inputs_bf16",
+        "one_input_chained", "two_inputs_uneven_chained",
+    ],
 )
 def test_custom_subclass_matches_torch(kind_name, rows, kwargs):
     per_step = run_on_ranks(_parity, 2, kind_name, rows, kwargs, timeout=TIMEOUT)[0]

@@ -46,6 +46,33 @@ class _Net(nn.Module):
         return self.out(h)
 
 
+class _Block(nn.Module):
+    """``x + tanh(lin(x))``, the residual inside: blocks chain output to input directly, so
+    shardwise's post-backward is a pre-hook on the node of the previous block's output
+    (:mod:`shardwise.backward_hooks`). Records what made its input."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.input_made_by = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.input_made_by = type(x.grad_fn).__name__
+        return x + torch.tanh(self.lin(x))
+
+
+class _ChainedNet(_Net):
+    def __init__(self, dim: int = 8):
+        super().__init__(dim)
+        self.layers = nn.ModuleList(_Block(dim) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
 def _shard(model: _Net, fully_shard_fn, **kwargs) -> _Net:
     for layer in model.layers:
         fully_shard_fn(layer, **kwargs)
@@ -101,6 +128,20 @@ class _Cases:
         theirs = _shard(copy.deepcopy(base), torch_fully_shard, mesh=mesh)
         ours = _shard(base, shardwise.fully_shard, mesh=mesh)
         _train_side_by_side(ours, theirs)
+
+    def test_chained_blocks_post_backward_on_the_input_node_train_like_torch_fsdp2(self) -> None:
+        """Blocks whose input is the previous block's output: no identity Function between
+        them (the first block's input comes from the root's own Linear, so it takes one),
+        and losses, params and grads bit-equal to torch's FSDP2 every step."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        torch.manual_seed(0)
+        base = _ChainedNet()
+        theirs = _shard(copy.deepcopy(base), torch_fully_shard, mesh=mesh)
+        ours = _shard(base, shardwise.fully_shard, mesh=mesh)
+        _train_side_by_side(ours, theirs)
+        made_by = [layer.input_made_by for layer in ours.layers]
+        assert made_by[0] == "PostBackwardTriggerBackward", made_by
+        assert all(name == "AddBackward0" for name in made_by[1:]), made_by
 
     def test_clip_grad_norm_through_the_fault_monitor_matches_torchs_clip(self) -> None:
         """``shardwise.clip_grad_norm_`` reduces the norm through the fault monitor (a
