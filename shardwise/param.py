@@ -177,9 +177,9 @@ class ShardedParam(TorchParamNames):
         self.padded_shard = self._new_padded_shard(chunk, device, pin_memory)
         # Not DTensor.from_local: it moves a host tensor to the mesh's device, and an
         # offloaded param's local tensor must stay the (pinned host) padded shard itself.
-        self._spec = self._sharded_spec(chunk.dtype)
-        dtensor = DTensor(self._real_rows(), self._spec, requires_grad=False)
+        dtensor = DTensor(self._real_rows(), self._sharded_spec(chunk.dtype), requires_grad=False)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+        self._refresh_spec()
         self.register_sharded()
 
     def _new_padded_shard(self, chunk: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:
@@ -256,7 +256,13 @@ class ShardedParam(TorchParamNames):
         return DTensorSpec(self._spmd_mesh, self.placements(), tensor_meta=meta)
 
     def _refresh_spec(self) -> None:
-        self._spec = self._sharded_spec(self.sharded_param.dtype)
+        """The spec our grads carry: the sharded param's own spec object when it says what
+        ours would (as FSDP2's grads share it). DTensor's sharding-propagation cache compares
+        an op's specs by identity first: ``param.add_(grad)`` with one spec object on both
+        sides skips a field-by-field ``DTensorSpec.__eq__`` per parameter and optimizer step."""
+        expected = self._sharded_spec(self.sharded_param.dtype)
+        own = self.sharded_param._spec
+        self._spec = own if own == expected else expected
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a local shard-shaped tensor (a gradient) as a DTensor with our placements."""
