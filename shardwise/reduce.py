@@ -127,6 +127,8 @@ class GradReducer:
         if not self.requires_gradient_sync:
             self._accumulate_unsynced()
             return
+        if self._hands_over_directly() and self._hand_over():
+            return
         params, grads = self._take_grads()
         if not params:
             return
@@ -177,12 +179,6 @@ class GradReducer:
         n = mesh_info.shard_size
         dtype = self._reduce_dtype(grads[0].dtype)
         plan = collectives.plan_reduction(dtype, n * mesh_info.replicate_size, self.divide_factor, n, self.force_sum)
-        if self._grads_are_shards(params, grads, dtype, plan):  # nothing to wait for: the grads are set now
-            tracing.emit("reduce", group.fqn, group.training_state)
-            for p, grad in zip(params, grads):
-                _accumulate_sharded_grad(p, grad)
-            tracing.emit("reduce_done", group.fqn, group.training_state)
-            return
         packed = self._pack(params, grads, dtype, plan.pre_divide)  # (N, Pg) in reduce_dtype
         if plan.pre_multiply != 1.0:
             packed.mul_(plan.pre_multiply)
@@ -205,28 +201,58 @@ class GradReducer:
             divide_before_hook=plan.divides_as_collective,
         )
 
-    def _grads_are_shards(
-        self, params: list[ShardedParam], grads: list[torch.Tensor], dtype: torch.dtype, plan: collectives.ReducePlan
-    ) -> bool:
+    def _hands_over_directly(self) -> bool:
         """World size 1 with nothing to do to the gradients: no cast, no division, no hook, no
         device move. Each unsharded gradient then *is* its sharded gradient (the same shape,
-        values and layout the pack-and-split would give), so it is handed over as it is,
-        in the post-backward (nothing is in flight to wait for; FSDP2 sets ``.grad`` there
-        too): packing would only copy it into a buffer and split it out again.
+        values and layout the pack-and-split would give), so :meth:`_hand_over` sets it as
+        the sharded ``.grad`` in the post-backward (nothing is in flight to wait for; FSDP2
+        sets ``.grad`` there too): packing would only copy it into a buffer and split it out.
 
-        The unsharded params of such a group are its padded shards (``aliases_shard``), and
-        torch gives a plain tensor's ``.grad`` its tensor's dtype, device and shape (autograd
-        and the setter both check): what is left to check per gradient is that it is plain,
-        in the reduce dtype and contiguous (the setter takes any strides)."""
+        The unsharded params of such a group are its padded shards (``aliases_shard``): no
+        cast or move. With one rank the reduction divides only by a ``divide_factor``."""
         group = self.group
         mesh_info = group.mesh_info
-        if mesh_info.shard_size != 1 or mesh_info.replicate_size != 1 or self.all_reduce_hook is not None:
-            return False
-        if not group.aliases_shard or plan.pre_divide != 1.0 or plan.pre_multiply != 1.0 or plan.post_divide != 1.0:
-            return False
-        for g in grads:  # a plain loop: a generator costs a frame per param
-            if not (type(g) is torch.Tensor and g.dtype == dtype and g.is_contiguous()):
+        return (
+            group.aliases_shard and mesh_info.shard_size == 1 and mesh_info.replicate_size == 1
+            and self.all_reduce_hook is None and self._pending is None
+            and (self.divide_factor is None or self.divide_factor == 1.0)
+        )  # fmt: skip
+
+    def _hand_over(self) -> bool:
+        """Set each unsharded gradient as its param's sharded ``.grad`` (see
+        :meth:`_hands_over_directly`); False, having taken nothing, when one is not what the
+        hand-over needs: a plain contiguous tensor in the reduce dtype, alone (no gradient
+        accumulated with sync off; no unused param to reduce as zeros).
+
+        torch gives a plain tensor's ``.grad`` its tensor's dtype, device and shape (autograd
+        and the setter both check), and the unsharded params here are the shards: what is
+        left to check per gradient is its type, dtype and layout (the setter takes any
+        strides). One pass checks, the next hands over: a plain loop each, no list of params
+        and grads for the general path to build."""
+        group = self.group
+        mp = group.mp_policy
+        zeros_for_unused = self.reduce_scatter_unused_params
+        taken = []
+        for p in group.params:
+            unsharded = p.unsharded_param
+            grad = unsharded.grad
+            if p.unsharded_accumulated_grad is not None:
                 return False
+            if grad is None:
+                if zeros_for_unused and p.requires_grad:
+                    return False
+                continue
+            dtype = mp.reduce_dtype or mp.param_dtype or grad.dtype
+            if type(grad) is not torch.Tensor or grad.dtype != dtype or not grad.is_contiguous():
+                return False
+            taken.append((p, unsharded, grad))
+        if not taken:
+            return True
+        tracing.emit("reduce", group.fqn, group.training_state)
+        for p, unsharded, grad in taken:
+            unsharded.grad = None
+            _accumulate_sharded_grad(p, grad)
+        tracing.emit("reduce_done", group.fqn, group.training_state)
         return True
 
     def _start_without_shards(self, params, packed: torch.Tensor, post_divide: float) -> _PendingReduce:

@@ -207,6 +207,62 @@ def test_world_size_one_trains_like_torch():
     run_on_ranks(_world_size_one_training, 1, timeout=TIMEOUT)
 
 
+class _WithUnused(torch.nn.Module):
+    """A root whose ``unused`` Linear never runs, around one sharded block."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        self.unused = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _world_size_one_knob(knob: str) -> None:
+    """At world size 1 a gradient is handed over as it is only when nothing is to be done to
+    it; each knob here makes something to do (zeros for an unused param, a hook that adds 1,
+    an fp16 reduction). Three SGD steps: gradients (``None`` where torch's are) and
+    parameters ``torch.equal`` to torch's FSDP2 every step."""
+    mesh = _mesh((1,))
+    torch.manual_seed(0)
+    base = _WithUnused()
+    models = {}
+    for name, fully_shard_fn, mp_cls in (("ours", shardwise.fully_shard, shardwise.MixedPrecisionPolicy),
+                                         ("torch", torch_fully_shard, TorchMixedPrecisionPolicy)):
+        model = copy.deepcopy(base)
+        extra = {"mp_policy": mp_cls(reduce_dtype=torch.float16)} if knob == "fp16_reduce" else {}
+        fully_shard_fn(model.used, mesh=mesh, **extra)
+        fully_shard_fn(model, mesh=mesh, **extra)
+        if knob == "unused_params":
+            model.set_reduce_scatter_unused_params(True)
+        if knob == "all_reduce_hook":
+            for module in (model.used, model):
+                module.set_all_reduce_hook(lambda grad: grad.add_(1.0))
+        models[name] = model
+    optims = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
+    gen = generator(0)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=gen)
+        for model in models.values():
+            model(x).pow(2).sum().backward()
+        for (name, a), b in zip(models["ours"].named_parameters(), models["torch"].parameters()):
+            assert (a.grad is None) == (b.grad is None), f"step {step} {name}: grad {a.grad} against torch's {b.grad}"
+            if a.grad is not None:
+                assert a.grad._spec is a._spec, f"step {step} {name}: the grad's spec is not the param's"
+                assert torch.equal(a.grad.to_local(), b.grad.to_local()), f"step {step} {name}.grad ({knob})"
+        for opt in optims.values():
+            opt.step()
+            opt.zero_grad()
+        for (name, a), b in zip(models["ours"].named_parameters(), models["torch"].parameters()):
+            assert torch.equal(a.to_local(), b.to_local()), f"step {step} {name} ({knob})"
+
+
+@pytest.mark.parametrize("knob", ["none", "unused_params", "all_reduce_hook", "fp16_reduce"])
+def test_world_size_one_knobs_like_torch(knob):
+    run_on_ranks(_world_size_one_knob, 1, knob, timeout=TIMEOUT)
+
+
 def _hook_sees_what_torchs_sees(shape: tuple[int, ...], knob: str) -> None:
     """An all-reduce hook that changes the gradient (adds 1): where it runs relative to the
     division decides the result. torch runs it on its collectives' output, before its own
