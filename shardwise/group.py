@@ -350,7 +350,15 @@ class ParamGroup(TorchGroupNames):
         Params kept gathered (``reshard_after_forward=False`` after a no-grad forward, say)
         whose shards changed since they were gathered (an optimizer step, a checkpoint
         load) are stale: they are gathered again rather than computed with.
+
+        A group whose unsharded params are its shards (``aliases_shard``) only registers
+        them: nothing is gathered, copied or ever stale.
         """
+        if self.aliases_shard and not self._params_replaced and self.post_optim_event is None:
+            if self.sharded_state is not ShardedState.UNSHARDED:
+                tracing.emit("unshard", self.fqn, self.training_state)
+                self._register_unsharded()
+            return
         if self.sharded_state is ShardedState.UNSHARDED or self._pending_gather is not None:
             if not self._gathered_stale():
                 return

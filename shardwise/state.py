@@ -81,6 +81,7 @@ class IterationContext(TorchContextNames):
     iter_root: "ModuleState | None"  # the first state whose forward ran this iteration
     process_groups: list  # every process group the states communicate on (faults' step marks)
     boundaries: Boundaries  # this forward pass's hooked tensors: where backward meets each state
+    orders_backward_prefetch: bool  # some state gathers: post_forward_order steers the implicit backward prefetch
 
     def __init__(self, root: "ModuleState", states: list["ModuleState"]):
         self.root = root
@@ -94,6 +95,7 @@ class IterationContext(TorchContextNames):
         self.forward_prefetcher = ForwardPrefetcher()
         self.process_groups = _process_groups(states)
         self.boundaries = Boundaries()
+        self.orders_backward_prefetch = any(state.gathers for state in states)
 
     def queue_final_callback(self, state: "ModuleState") -> None:
         """Queue the end-of-backward callback, from the root or the iteration's first module.
@@ -356,10 +358,14 @@ class ModuleState(TorchStateNames, _State):
                 group.post_forward_reshard()
                 group.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
-            self._post_forward_indices.append(len(self.ctx.post_forward_order))
-            self.ctx.post_forward_order.append(self)
-            leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
-            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self.ctx.orders_backward_prefetch:
+                self._post_forward_indices.append(len(self.ctx.post_forward_order))
+                self.ctx.post_forward_order.append(self)
+            if type(output) is torch.Tensor:  # most blocks: no pytree walk
+                tensors = [output] if output.requires_grad else None
+            else:
+                leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+                tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 self.ctx.boundaries.hook_outputs(tensors, PreBackwardHook(self))
         if self.is_root:
@@ -394,7 +400,8 @@ class ModuleState(TorchStateNames, _State):
     # ---- backward ---------------------------------------------------------------------
 
     def _pre_backward(self, *unused: Any) -> None:
-        self.ctx.queue_final_callback(self)
+        if not self.ctx.final_callback_queued:
+            self.ctx.queue_final_callback(self)
         groups = self.groups
         if not groups:
             return
