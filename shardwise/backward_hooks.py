@@ -8,19 +8,21 @@ A state's forward has two boundaries, and backward meets each once per pass:
   its input is complete, its *post-backward* runs (reduce, reshard).
 
 torch's FSDP2 hooks the outputs with tensor hooks and marks the inputs with an identity
-``autograd.Function`` whose backward is the post-backward. Both are costly per unit on a
-launch-bound step (a Function's apply and its backward node cost about 15 µs per unit on
-CPU). shardwise hooks the autograd **node** that made a tensor instead: a node pre-hook runs
-right where a tensor hook on its output would, after every gradient into it is summed. One
-:class:`NodeHooks` per node holds every state's hook on it, because several land on one node
-in a plain stack of blocks: block ``i``'s input *is* block ``i-1``'s output (and the root's
-output is its last block's).
+``autograd.Function`` whose backward is the post-backward. The Function is costly per unit
+on a launch-bound step (its apply and its backward node cost about 15 µs per unit on CPU).
+In a plain stack of blocks, block ``i``'s input *is* block ``i-1``'s output (and the root's
+output is its last block's), which already carries block ``i-1``'s pre-backward hook: a
+tensor hook runs once every gradient into that tensor is summed, which is once block
+``i``'s backward is done. So shardwise puts block ``i``'s post-backward in that same hook.
+One :class:`OutputHooks` per hooked output holds every state's hook on it, registered as
+the tensor's hook (FSDP2's kind, so a user's own hook registered after forward runs after
+them, as after FSDP2's).
 
-Their order on one node is what FSDP2's graph gives (:class:`NodeHooks` says how), so the
-collectives and peak memory are FSDP2's: block ``i``'s post-backward (its reduce-scatter,
-its reshard) runs before block ``i-1``'s pre-backward (the next all-gather).
+Their order on one tensor is what FSDP2's graph gives (:class:`OutputHooks` says how), so
+the collectives and peak memory are FSDP2's: block ``i``'s post-backward (its
+reduce-scatter, its reshard) runs before block ``i-1``'s pre-backward (the next all-gather).
 
-:class:`Boundaries` says when an input may join the node hooks: when it is the output
+:class:`Boundaries` says when an input may join an output's hooks: when it is the output
 hooked last, the chain of blocks. Other inputs take :class:`PostBackwardTrigger`, the
 identity Function, as in FSDP2.
 """
@@ -28,11 +30,12 @@ identity Function, as in FSDP2.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["PreBackwardHook", "PostBackwardTrigger", "NodeHooks", "Boundaries", "weak_post_backward"]
+__all__ = ["PreBackwardHook", "PostBackwardTrigger", "OutputHooks", "Boundaries", "weak_post_backward"]
 
 OnBackward = Callable[[], None]  # what a post-backward hook calls: see weak_post_backward
 
@@ -69,8 +72,7 @@ class PreBackwardHook:
     that forward (``register_multi_grad_hook(mode="any")``'s contract) on whichever of its
     outputs' gradients comes first. One small object per forward call instead of
     ``register_multi_grad_hook``'s closures, lock and handle wrapper (its cost was a
-    sixth of a launch-bound step's host time). Called with a tensor hook's gradient or a
-    node pre-hook's tuple of them: unused."""
+    sixth of a launch-bound step's host time). Called with a tensor hook's gradient: unused."""
 
     __slots__ = ("state", "ran")
 
@@ -84,8 +86,8 @@ class PreBackwardHook:
             self.state._pre_backward(grad)
 
 
-class NodeHooks:
-    """Every state's hook on one autograd node, run in the order FSDP2's graph runs them.
+class OutputHooks:
+    """Every state's hook on one output tensor, run in the order FSDP2's graph runs them.
 
     In FSDP2 each post-backward trigger is a new node *between* the tensor and the module
     that consumes it: it runs before anything hooked on the tensor so far, and a module
@@ -119,12 +121,12 @@ class NodeHooks:
 
 
 class Boundaries:
-    """Where the next state's post-backward may join the node hooks: the output hooked last.
+    """Where the next state's post-backward may join an output's hooks: the output hooked last.
 
     A block's input is usually the tensor the block before it returned, with nothing else
-    reading it: its node runs right after the block's backward, so the block's post-backward
-    can be a pre-hook there (in a layer above the earlier block's pre-backward, see
-    :class:`NodeHooks`). Any other input takes :class:`PostBackwardTrigger`, a node of its
+    reading it: its hooks run right after the block's backward, so the block's post-backward
+    can run among them (in a layer above the earlier block's pre-backward, see
+    :class:`OutputHooks`). Any other input takes :class:`PostBackwardTrigger`, a node of its
     own as in FSDP2: a tensor read by several blocks (parallel branches) waits at its node
     for all of them, and one block's post-backward must not wait for another's backward.
     What reads the tensor between the two blocks (not a block: an op, an un-sharded
@@ -138,12 +140,12 @@ class Boundaries:
     __slots__ = ("_last",)
 
     def __init__(self):
-        self._last: tuple | None = None  # (weak ref, version, NodeHooks) of the output hooked last
+        self._last: tuple | None = None  # (weak ref, version, OutputHooks) of the output hooked last
 
     def clear(self) -> None:
         self._last = None
 
-    def _hooks_of_last(self, t: torch.Tensor) -> NodeHooks | None:
+    def _hooks_of_last(self, t: torch.Tensor) -> OutputHooks | None:
         last = self._last
         if last is not None and last[0]() is t and last[1] == t._version:
             return last[2]
@@ -156,21 +158,32 @@ class Boundaries:
         for t in tensors:
             hooks = self._hooks_of_last(t)
             if hooks is None:
-                node = t.grad_fn
-                if node is None:
+                if t.grad_fn is None:
                     t.register_hook(hook)
                     continue
-                hooks = NodeHooks()
-                node.register_prehook(hooks)
+                hooks = OutputHooks()
+                _register_tensor_hook(t, hooks)
             hooks.add_pre_backward(hook)
             last = (weakref.ref(t), t._version, hooks)
         self._last = last if len(tensors) == 1 else None
 
     def hook_input(self, t: torch.Tensor, on_backward: OnBackward) -> bool:
-        """Call ``on_backward`` (a post-backward) at ``t``'s node if ``t`` is the output hooked
+        """Call ``on_backward`` (a post-backward) in ``t``'s hooks if ``t`` is the output hooked
         last; else False (the caller uses :class:`PostBackwardTrigger`)."""
         hooks = self._hooks_of_last(t)
         if hooks is None:
             return False
         hooks.add_post_backward(on_backward)
         return True
+
+
+def _register_tensor_hook(t: torch.Tensor, hook: Callable) -> None:
+    """``t.register_hook(hook)`` without the ``RemovableHandle`` nobody would remove (about
+    half the registration's cost): a tensor's first hook gets the ordered dict its node
+    reads, as ``Tensor.register_hook`` builds it (the key is no handle's id, so the user's
+    later ``register_hook`` calls add theirs after it); later hooks go through the API."""
+    if t._backward_hooks is not None:
+        t.register_hook(hook)
+        return
+    t._backward_hooks = OrderedDict(shardwise=hook)
+    t.grad_fn._register_hook_dict(t)

@@ -328,13 +328,13 @@ class ModuleState(TorchStateNames, _State):
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
 
     def _wrap_post_backward_trigger(self, args: tuple, kwargs: dict):
-        """Arrange this state's post-backward for when its inputs' gradients are complete: a
-        pre-hook on the node of the one input that needs grad when a block before returned it
+        """Arrange this state's post-backward for when its inputs' gradients are complete: in
+        the hooks of the one input that needs grad when a block before returned it
         (:mod:`shardwise.backward_hooks`), else torch's identity Function around them all."""
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # one plain tensor: most blocks
             if not args[0].requires_grad or not self.groups:
                 return args, kwargs
-            if self.ctx.boundaries.hook_input(args[0], self._on_backward):  # a pre-hook on its node
+            if self.ctx.boundaries.hook_input(args[0], self._on_backward):  # in the hooks it carries
                 return args, kwargs
             return tuple(PostBackwardTrigger.apply(self._on_backward, args[0])), kwargs
         plain = not kwargs and all(isinstance(x, torch.Tensor) for x in args)  # positional tensors: no pytree

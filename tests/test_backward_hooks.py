@@ -49,7 +49,7 @@ class _FSDP2Wiring:
 
 
 class _ShardwiseWiring(_FSDP2Wiring):
-    """What shardwise builds: node pre-hooks, found again per tensor by :class:`Boundaries`."""
+    """What shardwise builds: one hook per output tensor, found again by :class:`Boundaries`."""
 
     def __init__(self, log):
         super().__init__(log)
@@ -95,11 +95,24 @@ def _changed_in_place(w, x, wire):
     return wire.leave("b1", wire.enter("b1", h) * w)
 
 
+def _user_hooks_after_forward(w, x, wire):
+    """The chain, then the user's own tensor hook on each block's output, registered after
+    forward (as a training loop would): FSDP2's hooks on a tensor run before it."""
+    h, outputs = x * w, []
+    for i in range(3):
+        h = wire.leave(f"b{i}", wire.enter(f"b{i}", h) * w)
+        outputs.append((f"b{i}", h))
+    out = wire.leave("root", h)
+    for name, t in outputs:
+        t.register_hook(lambda grad, name=name: wire.log.append(("user", name)))
+    return out
+
+
 @pytest.mark.parametrize(
     "forward, events",
-    [(_chain, 7), (_returns_its_input, 3), (_two_consumers, 7), (_changed_in_place, 3)],
+    [(_chain, 7), (_returns_its_input, 3), (_two_consumers, 7), (_changed_in_place, 3), (_user_hooks_after_forward, 10)],
 )
-def test_node_hooks_run_in_fsdp2s_order(forward, events):
+def test_output_hooks_run_in_fsdp2s_order(forward, events):
     orders = []
     for wiring in (_FSDP2Wiring, _ShardwiseWiring):
         log: list = []
@@ -112,8 +125,8 @@ def test_node_hooks_run_in_fsdp2s_order(forward, events):
     assert ours == fsdp2
 
 
-def test_only_the_output_hooked_last_joins_its_node():
-    """A block's input joins the node hooks only when it is the output hooked last and
+def test_only_the_output_hooked_last_joins_its_hooks():
+    """A block's input joins an output's hooks only when it is the output hooked last and
     unchanged since: a second reader of a tensor, a leaf, an output changed in place and
     a tensor from before the root's forward take the identity Function."""
     boundaries = Boundaries()
