@@ -7,18 +7,19 @@ model on its own, per unit (one block: two Linears, four parameters)::
 
     module hooks        a forward pre-hook and a forward hook per unit (the API's
                         "unshard before, reshard after"), dynamo-disabled as a wrapper's are
-    post-backward       a pre-hook on the autograd node that made each unit's input: it
-                        runs once the input's gradient is complete, so once the unit's
-                        gradients are (shardwise's trigger). FSDP2's, an identity
+    post-backward       a hook on each unit's input tensor: it runs once the input's
+                        gradient is complete, so once the unit's gradients are (shardwise
+                        runs it in the previous unit's output hook). FSDP2's, an identity
                         autograd.Function on the inputs, is printed below the floor: a
                         Function's apply and backward node cost more
-    pre-backward        a pre-hook on the autograd node of each unit's output
+    pre-backward        a hook on each unit's output tensor (FSDP2's kind)
     DTensor gradients   each backward's gradient of the unit's four parameters made a
                         DTensor and set as ``.grad`` (the API makes sharded gradients
                         DTensors; autograd sets a plain model's for free)
     DTensor optimizer   SGD over the unit's four parameters as DTensors with DTensor
-                        gradients (the API makes sharded parameters and gradients DTensors)
-                        against the same SGD over plain tensors
+                        gradients sharing their spec objects, as FSDP2's and shardwise's do
+                        (the API makes sharded parameters and gradients DTensors) against
+                        the same SGD over plain tensors
 
 Each figure is the training thread's CPU time (robust to a loaded machine), the 20th
 percentile of ``steps`` steps taken in turns with every other variant (the fastest of
@@ -47,6 +48,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from bench.launch import _loopback_interface, _loopback_store
 from bench.overhead import WIDTH, BATCH, build_stack
+from shardwise.backward_hooks import register_tensor_hook
 
 __all__ = ["MECHANISMS", "measure", "main"]
 
@@ -68,21 +70,22 @@ class _Trigger(torch.autograd.Function):
 
 def _hooked_stack(k: int, trigger: str | None, output_hook: bool) -> nn.Module:
     """The plain stack with a pre- and post-forward hook per unit, plus the chosen mechanisms
-    (``trigger``: None, "node" for a pre-hook on the input's node, "function" for FSDP2's)."""
+    (``trigger``: None, "hook" for a hook on the input tensor, "function" for FSDP2's). A
+    hook is registered as shardwise registers its own (no handle)."""
     model = build_stack(k)
 
     @torch._dynamo.disable
     def pre(module, args, kwargs):
         if trigger == "function" and torch.is_grad_enabled():
             args = _Trigger.apply(*args)
-        elif trigger == "node" and args[0].grad_fn is not None:
-            args[0].grad_fn.register_prehook(lambda grads: None)
+        elif trigger == "hook" and args[0].grad_fn is not None:
+            register_tensor_hook(args[0], _ignore)
         return args, kwargs
 
     @torch._dynamo.disable
     def post(module, args, kwargs, output):
         if output_hook and output.grad_fn is not None:
-            output.grad_fn.register_prehook(lambda grads: None)
+            register_tensor_hook(output, _ignore)
         return output
 
     for unit in (*model, model):
@@ -95,6 +98,10 @@ _Arm = tuple[Callable[[], None], Callable[[], None]]  # (untimed setup before ea
 
 
 def _nothing() -> None:
+    pass
+
+
+def _ignore(grad: torch.Tensor) -> None:
     pass
 
 
@@ -126,13 +133,14 @@ def _train_step(model: nn.Module) -> _Arm:
 
 
 def _optimizer_step(params: list[torch.Tensor]) -> _Arm:
-    """SGD's step (and zero_grad) alone, gradients set before each."""
+    """SGD's step (and zero_grad) alone, gradients set before each (a DTensor param's with
+    the param's own spec object)."""
     optimizer = torch.optim.SGD(params, lr=0.01)
-    grads = [torch.ones_like(p) for p in params]
+    grads = [torch.ones_like(p._local_tensor if isinstance(p, DTensor) else p) for p in params]
 
     def set_grads() -> None:
         for p, g in zip(params, grads):
-            p.grad = g.clone()
+            p.grad = _grad_like(p, g.clone())
 
     def step() -> None:
         optimizer.step()
@@ -141,19 +149,25 @@ def _optimizer_step(params: list[torch.Tensor]) -> _Arm:
     return set_grads, step
 
 
+def _grad_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``param``'s gradient: a DTensor param's wraps it with the param's spec."""
+    if isinstance(param, DTensor):
+        return DTensor.__new__(DTensor, local, param._spec, requires_grad=False)
+    return local
+
+
 def _grad_wrapping(params: list[nn.Parameter]) -> _Arm:
     """Making each parameter's gradient a DTensor with its spec and setting ``.grad``, as
     a backward's last step does (the cheapest way known: DTensor's own ``__new__``)."""
     locals_ = [torch.ones_like(p._local_tensor) for p in params]
-    specs = [p._spec for p in params]
 
     def clear() -> None:
         for p in params:
             p.grad = None
 
     def step() -> None:
-        for p, local, spec in zip(params, locals_, specs):
-            p.grad = DTensor.__new__(DTensor, local, spec, requires_grad=False)
+        for p, local in zip(params, locals_):
+            p.grad = _grad_like(p, local)
 
     return clear, step
 
@@ -168,7 +182,7 @@ def _measure_once(k: int, steps: int, mesh: DeviceMesh) -> dict[str, float]:
     return _interleaved_cpu_us({
         "plain": _train_step(build_stack(k)),
         "hooks": _train_step(_hooked_stack(k, trigger=None, output_hook=False)),
-        "post": _train_step(_hooked_stack(k, trigger="node", output_hook=False)),
+        "post": _train_step(_hooked_stack(k, trigger="hook", output_hook=False)),
         "post function": _train_step(_hooked_stack(k, trigger="function", output_hook=False)),
         "pre": _train_step(_hooked_stack(k, trigger=None, output_hook=True)),
         "opt plain": _optimizer_step(list(model.parameters())),

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["PreBackwardHook", "PostBackwardTrigger", "OutputHooks", "Boundaries", "weak_post_backward"]
+__all__ = ["PreBackwardHook", "PostBackwardTrigger", "OutputHooks", "Boundaries", "register_tensor_hook", "weak_post_backward"]
 
 OnBackward = Callable[[], None]  # what a post-backward hook calls: see weak_post_backward
 
@@ -162,7 +162,7 @@ class Boundaries:
                     t.register_hook(hook)
                     continue
                 hooks = OutputHooks()
-                _register_tensor_hook(t, hooks)
+                register_tensor_hook(t, hooks)
             hooks.add_pre_backward(hook)
             last = (weakref.ref(t), t._version, hooks)
         self._last = last if len(tensors) == 1 else None
@@ -177,7 +177,7 @@ class Boundaries:
         return True
 
 
-def _register_tensor_hook(t: torch.Tensor, hook: Callable) -> None:
+def register_tensor_hook(t: torch.Tensor, hook: Callable) -> None:
     """``t.register_hook(hook)`` without the ``RemovableHandle`` nobody would remove (about
     half the registration's cost): a tensor's first hook gets the ordered dict its node
     reads, as ``Tensor.register_hook`` builds it (the key is no handle's id, so the user's

@@ -321,7 +321,7 @@ def test_overhead_floor_mechanisms_are_identities_and_all_measured():
     x = torch.randn(3, 32)
     plain = build_stack(2)
     plain(x).sum().backward()
-    for trigger in ("node", "function"):
+    for trigger in ("hook", "function"):
         hooked = _hooked_stack(2, trigger=trigger, output_hook=True)
         hooked(x).sum().backward()
         for a, b in zip(plain.parameters(), hooked.parameters()):
