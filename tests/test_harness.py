@@ -6,6 +6,8 @@ last, so the suite restarts as few pools as possible.
 """
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardwise.testing import RankFailure, RankTimeout, multirank, pool_pids, run_on_ranks
+from shardwise.testing import RankFailure, RankTimeout, kill_job, multirank, pool_pids, run_on_ranks
 from shardwise.testing.pool import RankPool
 
 # -- functions that run on the ranks -------------------------------------------------
@@ -260,3 +262,36 @@ def _assert_gone(pids):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_kill_job_reaches_workers_in_sessions_of_their_own():
+    """torchrun starts each worker in a session of its own: :func:`kill_job` stops them with
+    the launcher (a ``killpg`` of the launcher's group left them running as orphans)."""
+    worker = "import time; time.sleep(600)"
+    launcher = (
+        "import subprocess, sys, time\n"
+        f"w = subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True)\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    worker_pid = int(proc.stdout.readline())
+    kill_job(proc)
+    try:
+        for _ in range(100):  # reaped by init shortly after its SIGKILL
+            if not _alive(worker_pid):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"worker {worker_pid} outlived kill_job")
+    finally:
+        if _alive(worker_pid):
+            os.kill(worker_pid, 9)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie awaiting its reaper)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

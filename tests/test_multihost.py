@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.checkpoint.directory import CheckpointDir
+from shardwise.testing import kill_job
 from shardwise.train.metrics import read_metrics
 
 WATCHDOG_S = 5.0
@@ -168,12 +168,6 @@ def _wait_for_step(step: int, metrics: Path, timeout: float, procs, logs) -> Non
     raise AssertionError(f"step {step} not in {metrics} within {timeout} s:\n{_tail(*logs)}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 def _losses(metrics: Path) -> dict[int, float]:
     return {step: record["loss"] for step, record in read_metrics(metrics).items()}
 
@@ -209,7 +203,7 @@ def _cut_job(hosts: Hosts, tmp_path: Path, procs: list, checkpoints: bool) -> tu
 
 def _stop_all(procs: list) -> None:
     for proc in procs:
-        _stop(proc)
+        kill_job(proc)
     procs.clear()
 
 

@@ -34,7 +34,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -48,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from _torchft_child import reference
-from shardwise.testing import run_on_ranks
+from shardwise.testing import kill_job, run_on_ranks
 from shardwise.train import distributed, fault_tolerance, loop
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import BatchSampler
@@ -230,36 +229,7 @@ class Lighthouse:
             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop(self) -> None:
-        _kill_job(self.proc)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process under ``pid`` (torchrun gives each worker its own session: a killpg misses them)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        out += map(int, children)
-        todo += map(int, children)
-    return out
-
-
-def _kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL a launched job: its workers, then the launcher's process group."""
-    if proc.poll() is None:
-        for pid in _descendants(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
+        kill_job(self.proc)
 
 
 class Run:
@@ -304,7 +274,7 @@ class Run:
 
     def stop(self) -> None:
         for job in self.jobs:
-            _kill_job(job)
+            kill_job(job)
 
     def records(self, name: str, dp: int) -> list[dict]:
         return [json.loads(line) for line in (self.tmp / name / f"dp{dp}.jsonl").read_text().splitlines()]
@@ -354,13 +324,13 @@ def test_sync_quorum_survives_a_kill_mid_step_and_one_between_steps_and_heals_ex
         victim = run.launch("g1", 2, steps, [dump], *_ft(1, lighthouse), fault=f"ft_all_reduce@{kill}")
         restarted = run.launch("g1b", 2, steps, [kill2 - 1, steps], *_ft(1, lighthouse), go=go, ready=ready)
         run.wait(victim, ok=False)
-        _kill_job(victim)  # its launcher and any worker left
+        kill_job(victim)  # its launcher and any worker left
         go.touch()  # the same command line again, as a scheduler would restart it
         # meanwhile, the same ranks as one job without fault tolerance, in the pool of 4 ranks
         one_job = run_on_ranks(reference, 4, [*TRAIN, "--steps", str(steps), "--stop-after", str(kill),
                                               "--replicate", "2"], [dump], timeout=TIMEOUT)
         run.wait(first, ok=False)
-        _kill_job(first)
+        kill_job(first)
         run.wait(restarted)
     finally:
         run.stop()
@@ -478,7 +448,7 @@ def test_two_hosts_a_cut_link_drops_a_group_which_rejoins_by_healing(tmp_path):
         hosts.cut(1)
         _wait_for(lambda: sum(r["groups"] == 1 for r in _logged(run, "g0", 0)) >= 3, 6 * ft_timeout + 30,
                   "group 0 did not go on alone", run)
-        _kill_job(cut)  # if its own timeouts have not ended it yet
+        kill_job(cut)  # if its own timeouts have not ended it yet
         hosts.bring_back(1)
         back = group(1, "g1b")
         for job in (survivor, back):
@@ -486,7 +456,7 @@ def test_two_hosts_a_cut_link_drops_a_group_which_rejoins_by_healing(tmp_path):
     finally:
         run.stop()
         if lighthouse is not None:
-            _kill_job(lighthouse)
+            kill_job(lighthouse)
         hosts.remove()
         for d in etc:
             shutil.rmtree(d, ignore_errors=True)

@@ -7,6 +7,7 @@
 - :func:`multirank` turns a per-rank function into a pytest test.
 - :class:`CommCounter` counts collectives (and their payload bytes) at the dispatcher,
   for assertions like "forward did N+1 all-gathers".
+- :func:`kill_job` stops a launched job (``torchrun``) with every worker under it.
 
 Pools of rank processes are kept per world size for the whole process; call
 :func:`shutdown_pools` to stop them early (``tests/conftest.py`` does at session end).
@@ -14,6 +15,7 @@ Pools of rank processes are kept per world size for the whole process; call
 
 from shardwise.testing.comm_count import CommCounter, CommEvent, CommTally
 from shardwise.testing.errors import RankError, RankFailure, RankTimeout
+from shardwise.testing.jobs import kill_job
 from shardwise.testing.runner import multirank, pool_pids, run_on_ranks, shutdown_pools
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "RankError",
     "RankFailure",
     "RankTimeout",
+    "kill_job",
     "multirank",
     "pool_pids",
     "run_on_ranks",
