@@ -35,7 +35,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["PreBackwardHook", "PostBackwardTrigger", "OutputHooks", "Boundaries", "register_tensor_hook", "weak_post_backward"]
+__all__ = [
+    "PreBackwardHook", "PostBackwardTrigger", "OutputHooks", "Boundaries", "register_tensor_hook", "weak_post_backward",
+]
 
 OnBackward = Callable[[], None]  # what a post-backward hook calls: see weak_post_backward
 

@@ -209,7 +209,8 @@ class GradReducer:
         sets ``.grad`` there too): packing would only copy it into a buffer and split it out.
 
         The unsharded params of such a group are its padded shards (``aliases_shard``): no
-        cast or move. With one rank the reduction divides only by a ``divide_factor``."""
+        cast or move. With one rank the reduction divides only by a ``divide_factor``. A
+        reduction still pending (one that took the general path) is finished by it first."""
         group = self.group
         mesh_info = group.mesh_info
         return (
