@@ -231,7 +231,7 @@ class GradReducer:
         strides). One pass checks, the next hands over: a plain loop each, no list of params
         and grads for the general path to build."""
         group = self.group
-        mp = group.mp_policy
+        reduce_dtype = group.mp_policy.reduce_dtype or group.mp_policy.param_dtype  # None: the grads' own
         zeros_for_unused = self.reduce_scatter_unused_params
         taken = []
         for p in group.params:
@@ -243,8 +243,8 @@ class GradReducer:
                 if zeros_for_unused and p.requires_grad:
                     return False
                 continue
-            dtype = mp.reduce_dtype or mp.param_dtype or grad.dtype
-            if type(grad) is not torch.Tensor or grad.dtype != dtype or not grad.is_contiguous():
+            wrong_dtype = reduce_dtype is not None and grad.dtype != reduce_dtype
+            if type(grad) is not torch.Tensor or wrong_dtype or not grad.is_contiguous():
                 return False
             taken.append((p, unsharded, grad))
         if not taken:

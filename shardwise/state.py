@@ -400,8 +400,7 @@ class ModuleState(TorchStateNames, _State):
     # ---- backward ---------------------------------------------------------------------
 
     def _pre_backward(self, *unused: Any) -> None:
-        if not self.ctx.final_callback_queued:
-            self.ctx.queue_final_callback(self)
+        self.ctx.queue_final_callback(self)
         groups = self.groups
         if not groups:
             return
