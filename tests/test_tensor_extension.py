@@ -154,6 +154,10 @@ def _parity(kind_name: str, rows: int, kwargs: dict) -> list:
     for name, p in ours.named_parameters():
         if name.endswith("weight"):
             assert type(p.to_local()) is kind, f"{name}: {type(p.to_local())}"
+    grads = [(name, p) for name, p in ours.named_parameters() if p.grad is not None]
+    assert grads, "no grads left to check after the last step"
+    for name, p in grads:  # as torch's: the optimizer's DTensor ops skip a spec comparison
+        assert p.grad._spec is p._spec, f"{name}: the grad's spec is not the param's own"
     sd = ours.state_dict()
     assert all(type(sd[k].to_local()) is kind for k in sd if k.endswith("weight")), "state_dict lost the subclass"
     return [(t[0].pre_all_gather_calls, dict(t[0].gathered)) for t in tallies]

@@ -112,7 +112,7 @@ def _grads_share_param_specs() -> None:
     assert _spec_objects(ours) == [], "after load_state_dict(assign=True)"
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_grads_share_their_params_spec(world_size):
     run_on_ranks(_grads_share_param_specs, world_size, timeout=TIMEOUT)
 
