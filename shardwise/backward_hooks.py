@@ -3,7 +3,9 @@
 A state's forward has two boundaries, and backward meets each once per pass:
 
 - its **outputs**: when the first of their gradients is about to flow back, the state's
-  *pre-backward* runs (gather the params again). A :class:`PreBackwardHook`.
+  *pre-backward* runs (gather the params again). A single output's tensor hook runs once
+  per backward, so it is the state's pre-backward itself; several outputs share a
+  :class:`PreBackwardHook`, which runs on the first of them.
 - its **inputs**: once every gradient of its params exists, which is once the gradient of
   its input is complete, its *post-backward* runs (reduce, reshard).
 
@@ -70,9 +72,9 @@ class PostBackwardTrigger(torch.autograd.Function):
 
 
 class PreBackwardHook:
-    """The hook a forward's outputs carry: the state's pre-backward, once per backward of
-    that forward (``register_multi_grad_hook(mode="any")``'s contract) on whichever of its
-    outputs' gradients comes first. One small object per forward call instead of
+    """The hook a forward's several outputs share: the state's pre-backward, once per
+    backward of that forward (``register_multi_grad_hook(mode="any")``'s contract) on
+    whichever of its outputs' gradients comes first. One small object per forward call instead of
     ``register_multi_grad_hook``'s closures, lock and handle wrapper (its cost was a
     sixth of a launch-bound step's host time). Called with a tensor hook's gradient: unused."""
 
@@ -187,5 +189,7 @@ def register_tensor_hook(t: torch.Tensor, hook: Callable) -> None:
     if t._backward_hooks is not None:
         t.register_hook(hook)
         return
-    t._backward_hooks = OrderedDict(shardwise=hook)
+    hooks = OrderedDict()  # filled after construction: keyword construction costs twice as much
+    hooks["shardwise"] = hook
+    t._backward_hooks = hooks
     t.grad_fn._register_hook_dict(t)

@@ -46,6 +46,11 @@ class ShardedState(enum.Enum):
     UNSHARDED = "unsharded"  # the plain unsharded tensor (a view into the group's buffer)
 
 
+# The members as module constants, for the hot path (see ``group.TrainingState``'s); in
+# definition order.
+SHARDED, SHARDED_POST_FORWARD, UNSHARDED = ShardedState
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamSite:
     """One place the parameter is registered: ``getattr(module, name)``. Tied params have several."""
@@ -287,7 +292,7 @@ class ShardedParam(TorchParamNames):
         UNSHARDED while the unsharded tensor is registered, else SHARDED."""
         site = self.sites[0]
         held = site.module._parameters.get(site.name)
-        return ShardedState.UNSHARDED if held is not None and held is self.unsharded_param else ShardedState.SHARDED
+        return UNSHARDED if held is not None and held is self.unsharded_param else SHARDED
 
     # ---- the unsharded side -----------------------------------------------------------
 

@@ -36,7 +36,7 @@ from shardwise import init_checks, tracing
 from shardwise.backward_hooks import Boundaries, PostBackwardTrigger, PreBackwardHook, weak_post_backward
 from shardwise.dynamo_compat import run_eagerly
 from shardwise.faults import monitor as faults
-from shardwise.group import ParamGroup, TrainingState
+from shardwise.group import FORWARD, IDLE, POST_BACKWARD, PRE_BACKWARD, ParamGroup
 from shardwise.mesh import MeshInfo
 from shardwise.policies import MixedPrecisionPolicy
 from shardwise.prefetch import ForwardPrefetcher
@@ -126,7 +126,7 @@ class IterationContext(TorchContextNames):
             return
         for state in self.states:
             for group in state.groups:
-                if group.training_state == TrainingState.POST_BACKWARD:
+                if group.training_state == POST_BACKWARD:
                     group.finish_reduce()
         self.reducing.clear()
 
@@ -138,9 +138,9 @@ class IterationContext(TorchContextNames):
         post-backward."""
         for state in self.states:
             for group in state.reversed_groups:
-                if group.training_state == TrainingState.POST_BACKWARD:
+                if group.training_state == POST_BACKWARD:
                     continue
-                if group.gathered_or_gathering or group.training_state == TrainingState.PRE_BACKWARD:
+                if group.gathered_or_gathering or group.training_state == PRE_BACKWARD:
                     state.post_backward_group(group)
         for state in self.states:
             state.finish_iteration(wait_for_reductions=self.is_last_backward)
@@ -282,12 +282,12 @@ class ModuleState(TorchStateNames, _State):
         # A grouped call's later members join the pass the first member opened: one
         # post-backward trigger (one reduction) per pass.
         groups = self.groups
-        entering_pass = not groups or groups[0].training_state != TrainingState.FORWARD
+        entering_pass = not groups or groups[0].training_state != FORWARD
         if entering_pass:
             self._enter_forward()
         if groups:
             for group in groups:
-                group.training_state = TrainingState.FORWARD
+                group.training_state = FORWARD
                 group.unshard(async_op=True)
             if self.forward_prefetch is not None or self.gathers:  # else _prefetch_forward has nothing to start
                 self._prefetch_forward()  # queued behind our own all-gathers, before we wait for them
@@ -356,7 +356,7 @@ class ModuleState(TorchStateNames, _State):
         if self.groups and self._last_member_ran(module):
             for group in self.groups:
                 group.post_forward_reshard()
-                group.training_state = TrainingState.IDLE
+                group.training_state = IDLE
         if torch.is_grad_enabled():
             if self.ctx.orders_backward_prefetch:
                 self._post_forward_indices.append(len(self.ctx.post_forward_order))
@@ -366,8 +366,9 @@ class ModuleState(TorchStateNames, _State):
             else:
                 leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
                 tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
-                self.ctx.boundaries.hook_outputs(tensors, PreBackwardHook(self))
+            if tensors:  # one output's hook runs once per backward by itself (no PreBackwardHook needed)
+                hook = self._pre_backward if len(tensors) == 1 else PreBackwardHook(self)
+                self.ctx.boundaries.hook_outputs(tensors, hook)
         if self.is_root:
             self._complete_partial_groups()
             self.ctx.forward_prefetcher.finish()
@@ -384,7 +385,7 @@ class ModuleState(TorchStateNames, _State):
                 continue
             for group in state.groups:
                 group.post_forward_reshard()
-                group.training_state = TrainingState.IDLE
+                group.training_state = IDLE
             state._members_to_run = {id(m) for m in state.modules}
 
     def _last_member_ran(self, module: nn.Module) -> bool:
@@ -405,7 +406,7 @@ class ModuleState(TorchStateNames, _State):
         if not groups:
             return
         for group in groups:
-            group.training_state = TrainingState.PRE_BACKWARD
+            group.training_state = PRE_BACKWARD
         for reducing in self.ctx.reducing:  # their receive buffers never meet our copy-out (the peak)
             if reducing not in groups and reducing.reducer.holds_receive_buffer:
                 reducing.finish_reduce()
@@ -449,7 +450,7 @@ class ModuleState(TorchStateNames, _State):
         Reductions of an earlier state are finished first (at most one state's in flight,
         as FSDP2); this state's groups stay in flight together.
         """
-        group.training_state = TrainingState.POST_BACKWARD
+        group.training_state = POST_BACKWARD
         tracing.emit("post_backward", group.fqn, group.training_state)
         ctx = self.ctx
         if ctx is not None and ctx.reducing and ctx.reducing[0] not in self.groups:
@@ -468,9 +469,9 @@ class ModuleState(TorchStateNames, _State):
         for group in self.groups:
             if wait_for_reductions:
                 group.finish_reduce()
-            if group.reshard_after_backward and group.training_state == TrainingState.POST_BACKWARD:
+            if group.reshard_after_backward and group.training_state == POST_BACKWARD:
                 group.reshard()
-            group.training_state = TrainingState.IDLE
+            group.training_state = IDLE
         self._reset_members()
 
     def _reset_members(self) -> None:
