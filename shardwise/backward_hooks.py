@@ -105,8 +105,8 @@ class OutputHooks:
 
     __slots__ = ("layers",)
 
-    def __init__(self):
-        self.layers: list[list] = [[None]]  # each: [a post-backward's on_backward or None, *pre-backward hooks]
+    def __init__(self, pre_backward: Callable):
+        self.layers: list[list] = [[None, pre_backward]]  # each: [a post-backward's on_backward or None, *pre-backward hooks]
 
     def add_pre_backward(self, hook: PreBackwardHook) -> None:
         self.layers[-1].append(hook)
@@ -161,13 +161,14 @@ class Boundaries:
         last = None
         for t in tensors:
             hooks = self._hooks_of_last(t)
-            if hooks is None:
-                if t.grad_fn is None:
-                    t.register_hook(hook)
-                    continue
-                hooks = OutputHooks()
+            if hooks is not None:
+                hooks.add_pre_backward(hook)
+            elif t.grad_fn is None:
+                t.register_hook(hook)
+                continue
+            else:
+                hooks = OutputHooks(hook)
                 register_tensor_hook(t, hooks)
-            hooks.add_pre_backward(hook)
             last = (weakref.ref(t), t._version, hooks)
         self._last = last if len(tensors) == 1 else None
 

@@ -491,9 +491,7 @@ class ParamGroup(TorchGroupNames):
         if self._pending_gather is not None:
             self.wait_for_unshard()
         self._post_forward_shard = None
-        if self.sharded_state is SHARDED:
-            return
-        if self.sharded_state is UNSHARDED:  # else SHARDED_POST_FORWARD: freed already
+        if self.sharded_state is UNSHARDED:  # SHARDED_POST_FORWARD was freed already
             self._free_unsharded()
         self.sharded_state = SHARDED
 
@@ -513,7 +511,7 @@ class ParamGroup(TorchGroupNames):
     def post_forward_reshard(self) -> None:
         """After forward: reshard fully (True), to a block of k ranks (int), or keep (False)."""
         policy = self.reshard_after_forward
-        if policy is False or not self.is_unsharded:
+        if policy is False or self.sharded_state is not UNSHARDED:
             return
         if policy is True or self.post_forward is None:
             self.reshard()
