@@ -62,6 +62,7 @@ def _reuse(case: str) -> None:
         "two_forwards": lambda: Stack(N),
         "unused_module": lambda: Stack(N, extra="unused"),
         "output_not_in_loss": lambda: Stack(N, extra="dead_end"),
+        "backward_twice": lambda: Stack(N),
     }[case]
     ours, theirs, ref = make_trio(build, shard_stack)
     trio = Trio(ours, theirs, ref)
@@ -79,6 +80,17 @@ def _reuse(case: str) -> None:
                 rec.mark("backward")
                 return loss
 
+        elif case == "backward_twice":  # each block's pre-backward runs again in the second backward
+
+            def fn(model, rec):
+                loss = mse(model, xy)
+                rec.mark("forward")
+                loss.backward(retain_graph=True)
+                rec.mark("backward 1")
+                loss.backward()
+                rec.mark("backward 2")
+                return loss
+
         else:
             fn = _plain_step(xy)
         res = trio.run(fn)
@@ -93,11 +105,16 @@ def _reuse(case: str) -> None:
         if case == "output_not_in_loss":
             assert ours.extra.lin.weight.grad is None, f"{where}: a module off the loss path got a grad"
             assert phases["forward"] == {"all_gather": N + 2}, f"{where}: {phases}"
+        if case == "backward_twice":
+            # the root kept its params through the first backward's forward only: it gathers again too
+            assert phases["backward 1"] == {"all_gather": N, "reduce_scatter": N + 1}, f"{where}: {phases}"
+            assert phases["backward 2"] == {"all_gather": N + 1, "reduce_scatter": N + 1}, f"{where}: {phases}"
+            groups *= 2
         assert res.ours.total("reduce_scatter") <= groups, f"{where}: {phases}"
         assert all(isinstance(p, DTensor) for p in ours.parameters()), f"{where}: not resharded after the step"
 
 
-@pytest.mark.parametrize("case", ["called_twice", "two_forwards", "unused_module", "output_not_in_loss"])
+@pytest.mark.parametrize("case", ["called_twice", "two_forwards", "unused_module", "output_not_in_loss", "backward_twice"])
 def test_module_reuse(case):
     run_on_ranks(_reuse, 2, case, timeout=TIMEOUT)
 
