@@ -330,3 +330,36 @@ def test_overhead_floor_mechanisms_are_identities_and_all_measured():
     assert set(result) == {"plain step", *MECHANISMS, FUNCTION_TRIGGER} and result["plain step"] > 0
     lines = format_table(2, result).splitlines()
     assert lines[-2].startswith("floor (sum)") and lines[-1].startswith("not in the floor")
+
+
+# ---------------------------------------------------------------- bench.instructions
+
+
+def test_instructions_arithmetic_and_table():
+    """``python -m bench.instructions`` reads cachegrind's total and divides the timed steps'
+    share of it by steps and K; the table puts each contender over the plain model."""
+    from bench.instructions import format_table, instructions_in, per_unit
+
+    output = "==12== Collected : 5\n==12==\n==12== I   refs:      12,539,472,334\n"
+    assert instructions_in(output) == 12_539_472_334
+    with pytest.raises(RuntimeError, match="I refs"):
+        instructions_in("valgrind: no such tool")
+    assert per_unit(1_000, 1_000 + 60 * 48 * 500, 60, 48) == 500.0
+    lines = format_table({"plain": 400_000.0, "shardwise.fully_shard": 612_500.0}).splitlines()
+    assert lines[1].split() == ["plain", "400.0"]
+    assert lines[2].split() == ["shardwise.fully_shard", "612.5", "212.5"]
+
+
+def test_instructions_child_trains_each_contender_and_rejects_unknown_ones():
+    """The child valgrind counts runs the stack in-process at world size 1 (an in-memory
+    store: no port), with and without the optimizer step."""
+    import subprocess
+
+    from bench.instructions import main
+
+    for name, extra in (("shardwise.fully_shard", []), ("shardwise.fully_shard", ["--no-optimizer"])):
+        command = [sys.executable, "-m", "bench.instructions", "--child", name, "--k", "2", "--warmup", "1", "--steps", "1"]
+        done = subprocess.run(command + extra, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+    with pytest.raises(SystemExit, match="unknown contender"):
+        main(["--contenders", "plain,nope"])
