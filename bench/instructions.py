@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--k", type=int, default=48, help="blocks in the stack (default 48)")
     parser.add_argument("--steps", type=int, default=60, help="counted steps (default 60)")
     parser.add_argument("--warmup", type=int, default=20, help="steps before counting (default 20)")
-    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help="comma-separated, from bench.overhead")
+    parser.add_argument(
+        "--contenders", default=",".join(DEFAULT_CONTENDERS), help="comma-separated, from bench.overhead's"
+    )
     parser.add_argument("--no-optimizer", action="store_true", help="leave optimizer.step() out")
     parser.add_argument("--jobs", type=int, default=2, help="valgrind runs at once (default 2)")
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -74,9 +74,10 @@ class PostBackwardTrigger(torch.autograd.Function):
 class PreBackwardHook:
     """The hook a forward's several outputs share: the state's pre-backward, once per
     backward of that forward (``register_multi_grad_hook(mode="any")``'s contract) on
-    whichever of its outputs' gradients comes first. One small object per forward call instead of
-    ``register_multi_grad_hook``'s closures, lock and handle wrapper (its cost was a
-    sixth of a launch-bound step's host time). Called with a tensor hook's gradient: unused."""
+    whichever of its outputs' gradients comes first. One small object per forward call
+    instead of ``register_multi_grad_hook``'s closures, lock and handle wrapper (its cost
+    was a sixth of a launch-bound step's host time). Called with a tensor hook's gradient:
+    unused."""
 
     __slots__ = ("state", "ran")
 
@@ -106,7 +107,8 @@ class OutputHooks:
     __slots__ = ("layers",)
 
     def __init__(self, pre_backward: Callable):
-        self.layers: list[list] = [[None, pre_backward]]  # each: [a post-backward's on_backward or None, *pre-backward hooks]
+        # each layer: [a post-backward's on_backward or None, *pre-backward hooks]
+        self.layers: list[list] = [[None, pre_backward]]
 
     def add_pre_backward(self, hook: PreBackwardHook) -> None:
         self.layers[-1].append(hook)

@@ -358,8 +358,9 @@ def test_instructions_child_trains_each_contender_and_rejects_unknown_ones():
     from bench.instructions import main
 
     for name, extra in (("shardwise.fully_shard", []), ("shardwise.fully_shard", ["--no-optimizer"])):
-        command = [sys.executable, "-m", "bench.instructions", "--child", name, "--k", "2", "--warmup", "1", "--steps", "1"]
-        done = subprocess.run(command + extra, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        command = [sys.executable, "-m", "bench.instructions", "--child", name, "--k", "2", "--warmup", "1"]
+        command += ["--steps", "1", *extra]
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
     with pytest.raises(SystemExit, match="unknown contender"):
         main(["--contenders", "plain,nope"])

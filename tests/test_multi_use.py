@@ -114,7 +114,9 @@ def _reuse(case: str) -> None:
         assert all(isinstance(p, DTensor) for p in ours.parameters()), f"{where}: not resharded after the step"
 
 
-@pytest.mark.parametrize("case", ["called_twice", "two_forwards", "unused_module", "output_not_in_loss", "backward_twice"])
+@pytest.mark.parametrize(
+    "case", ["called_twice", "two_forwards", "unused_module", "output_not_in_loss", "backward_twice"]
+)
 def test_module_reuse(case):
     run_on_ranks(_reuse, 2, case, timeout=TIMEOUT)
 
