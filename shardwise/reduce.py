@@ -97,7 +97,9 @@ class GradReducer:
     def group(self) -> ReducingGroup:
         return self._group_ref()
 
-    def _reduce_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+    def _reduce_dtype(self, grad_dtype: torch.dtype | None) -> torch.dtype | None:
+        """What gradients are reduced in: the policy's ``reduce_dtype``, else its
+        ``param_dtype``, else ``grad_dtype`` (the gradient's own)."""
         mp = self.group.mp_policy
         return mp.reduce_dtype or mp.param_dtype or grad_dtype
 
@@ -231,7 +233,7 @@ class GradReducer:
         strides). One pass checks, the next hands over: a plain loop each, no list of params
         and grads for the general path to build."""
         group = self.group
-        reduce_dtype = group.mp_policy.reduce_dtype or group.mp_policy.param_dtype  # None: the grads' own
+        reduce_dtype = self._reduce_dtype(None)  # None: the grads' own
         zeros_for_unused = self.reduce_scatter_unused_params
         taken = []
         for p in group.params:
