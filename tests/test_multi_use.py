@@ -121,6 +121,10 @@ def test_module_reuse(case):
     run_on_ranks(_reuse, 2, case, timeout=TIMEOUT)
 
 
+def test_backward_twice_at_4_ranks():
+    run_on_ranks(_reuse, 4, "backward_twice", timeout=TIMEOUT)
+
+
 # ---------------------------------------------------------------- a non-root submodule alone
 
 
