@@ -41,14 +41,14 @@ __all__ = [
     "PreBackwardHook", "PostBackwardTrigger", "OutputHooks", "Boundaries", "register_tensor_hook", "weak_post_backward",
 ]
 
-OnBackward = Callable[[], None]  # what a post-backward hook calls: see weak_post_backward
+OnBackward = Callable[..., None]  # what a post-backward hook calls (arguments unused): see weak_post_backward
 
 
 def weak_post_backward(state_ref: weakref.ref) -> OnBackward:
     """``state.post_backward()`` through a weak reference: what the autograd graph holds of
     a state, so a graph never keeps a state alive (nor a state itself, through its own)."""
 
-    def on_backward() -> None:
+    def on_backward(*unused: Any) -> None:  # a trigger calls it bare, an output's hooks with the gradient
         state = state_ref()
         if state is not None:
             state.post_backward()
@@ -102,28 +102,29 @@ class OutputHooks:
     top first, each one's pre-backwards in the order they were added, then its
     post-backward. Two post-backwards on one input run last-added first, as the engine
     runs the later trigger node first.
+
+    The layers are kept flat, in the order they run (``calls``): the top layer is always
+    first, so a post-backward goes to the front and a pre-backward right after the top
+    layer's earlier pre-backwards (``top_pres`` of them), before its post-backward.
     """
 
-    __slots__ = ("layers",)
+    __slots__ = ("calls", "top_pres")
 
     def __init__(self, pre_backward: Callable):
-        # each layer: [a post-backward's on_backward or None, *pre-backward hooks]
-        self.layers: list[list] = [[None, pre_backward]]
+        self.calls: list[Callable] = [pre_backward]  # each called with the gradient
+        self.top_pres = 1  # pre-backwards in the top layer (the bottom layer has no post-backward)
 
-    def add_pre_backward(self, hook: PreBackwardHook) -> None:
-        self.layers[-1].append(hook)
+    def add_pre_backward(self, hook: Callable) -> None:
+        self.calls.insert(self.top_pres, hook)
+        self.top_pres += 1
 
     def add_post_backward(self, on_backward: OnBackward) -> None:
-        self.layers.append([on_backward])
+        self.calls.insert(0, on_backward)
+        self.top_pres = 0
 
-    def __call__(self, grads: Any) -> None:
-        layers = self.layers
-        for i in range(len(layers) - 1, -1, -1):
-            layer = layers[i]
-            for j in range(1, len(layer)):
-                layer[j](grads)
-            if layer[0] is not None:
-                layer[0]()
+    def __call__(self, grad: Any) -> None:
+        for call in self.calls:
+            call(grad)
 
 
 class Boundaries:
@@ -157,7 +158,7 @@ class Boundaries:
             return last[2]
         return None
 
-    def hook_outputs(self, tensors: list[torch.Tensor], hook: PreBackwardHook) -> None:
+    def hook_outputs(self, tensors: list[torch.Tensor], hook: Callable) -> None:
         """Run ``hook`` when the first of ``tensors``' gradients is about to flow back. A
         leaf output (no node) takes a tensor hook."""
         last = None

@@ -56,7 +56,7 @@ class _ShardwiseWiring(_FSDP2Wiring):
         self.boundaries = Boundaries()
 
     def enter(self, name, x):
-        if self.boundaries.hook_input(x, self.state(name).post_backward):
+        if self.boundaries.hook_input(x, weak_post_backward(weakref.ref(self.state(name)))):  # as a state does
             return x
         return super().enter(name, x)
 
