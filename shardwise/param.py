@@ -269,16 +269,30 @@ class ShardedParam(TorchParamNames):
         own = self.sharded_param._spec
         self._spec = own if own == expected else expected
 
-    def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap a local shard-shaped tensor (a gradient) as a DTensor with our placements."""
-        if local.dtype != self._spec.tensor_meta.dtype:
-            spec = self._sharded_spec(local.dtype)
+    def accumulate_grad(self, local: torch.Tensor) -> None:
+        """Store ``local`` (our rank's reduced gradient shard, on the sharded param's device) as
+        the sharded param's DTensor ``.grad`` with our placements, or add it to the ``.grad``
+        there is; then run the post-accumulate-grad hooks a user registered on the sharded param.
+
+        The sharded param is no autograd leaf of the backward (the unsharded one is), so
+        those hooks (an optimizer step per parameter) run here, once its reduced gradient
+        is in ``.grad``, as torch's FSDP2 runs them. Every tensor has the hooks' slot (None
+        until a hook is registered).
+        """
+        sharded = self.sharded_param
+        grad = sharded.grad
+        if grad is not None:
+            grad._local_tensor.add_(local)
         else:
-            spec = self._spec
-        # DTensor's own __new__ (C++) sets the local tensor and spec; DTensor.__init__ does
-        # nothing in eager mode (it only intercepts torch.export) and costs more than the
-        # construction itself behind its two wrappers: one per param and step.
-        return DTensor.__new__(DTensor, local, spec, requires_grad=False)
+            spec = self._spec if local.dtype == self._spec.tensor_meta.dtype else self._sharded_spec(local.dtype)
+            # DTensor's own __new__ (C++) sets the local tensor and spec; DTensor.__init__
+            # does nothing in eager mode (it only intercepts torch.export) and costs more
+            # than the construction itself behind its two wrappers: one per param and step.
+            sharded.grad = DTensor.__new__(DTensor, local, spec, requires_grad=False)
+        hooks = sharded._post_accumulate_grad_hooks
+        if hooks:
+            for hook in hooks.values():
+                hook(sharded)
 
     def register_sharded(self) -> None:
         """Every site holds the sharded parameter (a group swaps all its params in one loop

@@ -73,6 +73,7 @@ class GradReducer:
     all_reduce_hook_stream: Any  # the stream the hook runs on (torch.Stream of the device); None: current
     reduce_scatter_unused_params: bool
     max_input_buffers: int  # scheduling only: how many packed buffers may be in flight
+    frees_buffer_when_done: bool  # a reduction in flight holds a buffer that is garbage once done
     _pending: _PendingReduce | None
     _partial: _PendingReduce | None  # HSDP shard reduced but not yet all-reduced
     _grad_buffer: ReusableBuffer  # shard size 1: the buffer the gradients live in
@@ -92,6 +93,14 @@ class GradReducer:
         self._pending = None
         self._partial = None
         self._grad_buffer = ReusableBuffer()
+        # Whether a reduction in flight holds a buffer that is garbage once it completes: the
+        # reduce-scatter's ``(N, Pg)`` input. Post-backward then finishes the previous group's
+        # reduction before packing its own, so at most one such buffer is alive. With shard
+        # size 1 (``replicate``) the packed buffer *becomes* the gradients, so every group's
+        # all-reduce stays in flight until the end of backward, as DDP's buckets do.
+        self.frees_buffer_when_done = group.mesh_info.shard_size > 1
+        mp = group.mp_policy  # fixed for the group's life
+        self._policy_reduce_dtype = mp.reduce_dtype or mp.param_dtype  # None: each gradient's own dtype
 
     @property
     def group(self) -> ReducingGroup:
@@ -100,17 +109,7 @@ class GradReducer:
     def _reduce_dtype(self, grad_dtype: torch.dtype | None) -> torch.dtype | None:
         """What gradients are reduced in: the policy's ``reduce_dtype``, else its
         ``param_dtype``, else ``grad_dtype`` (the gradient's own)."""
-        mp = self.group.mp_policy
-        return mp.reduce_dtype or mp.param_dtype or grad_dtype
-
-    @property
-    def frees_buffer_when_done(self) -> bool:
-        """Whether a reduction in flight holds a buffer that is garbage once it completes:
-        the reduce-scatter's ``(N, Pg)`` input. Post-backward then finishes the previous
-        group's reduction before packing its own, so at most one such buffer is alive.
-        With shard size 1 (``replicate``) the packed buffer *becomes* the gradients, so every
-        group's all-reduce stays in flight until the end of backward, as DDP's buckets do."""
-        return self.group.mesh_info.shard_size > 1
+        return self._policy_reduce_dtype or grad_dtype
 
     @property
     def holds_receive_buffer(self) -> bool:
@@ -129,7 +128,8 @@ class GradReducer:
         if not self.requires_gradient_sync:
             self._accumulate_unsynced()
             return
-        if self._hands_over_directly() and self._hand_over():
+        group = self._group_ref()
+        if self._hands_over_directly(group) and self._hand_over(group):
             return
         params, grads = self._take_grads()
         if not params:
@@ -203,7 +203,7 @@ class GradReducer:
             divide_before_hook=plan.divides_as_collective,
         )
 
-    def _hands_over_directly(self) -> bool:
+    def _hands_over_directly(self, group: ReducingGroup) -> bool:
         """World size 1 with nothing to do to the gradients: no cast, no division, no hook, no
         device move. Each unsharded gradient then *is* its sharded gradient (the same shape,
         values and layout the pack-and-split would give), so :meth:`_hand_over` sets it as
@@ -213,7 +213,6 @@ class GradReducer:
         The unsharded params of such a group are its padded shards (``aliases_shard``): no
         cast or move. With one rank the reduction divides only by a ``divide_factor``. A
         reduction still pending (one that took the general path) is finished by it first."""
-        group = self.group
         mesh_info = group.mesh_info
         return (
             group.aliases_shard and mesh_info.shard_size == 1 and mesh_info.replicate_size == 1
@@ -221,7 +220,7 @@ class GradReducer:
             and (self.divide_factor is None or self.divide_factor == 1.0)
         )  # fmt: skip
 
-    def _hand_over(self) -> bool:
+    def _hand_over(self, group: ReducingGroup) -> bool:
         """Set each unsharded gradient as its param's sharded ``.grad`` (see
         :meth:`_hands_over_directly`); False, having taken nothing, when one is not what the
         hand-over needs: a plain contiguous tensor in the reduce dtype, alone (no gradient
@@ -232,29 +231,28 @@ class GradReducer:
         left to check per gradient is its type, dtype and layout (the setter takes any
         strides). One pass checks, the next hands over: a plain loop each, no list of params
         and grads for the general path to build."""
-        group = self.group
-        reduce_dtype = self._reduce_dtype(None)  # None: the grads' own
+        reduce_dtype = self._policy_reduce_dtype  # None: the grads' own
         zeros_for_unused = self.reduce_scatter_unused_params
         taken = []
         for p in group.params:
-            unsharded = p.unsharded_param
-            grad = unsharded.grad
+            grad = p.unsharded_param.grad
             if p.unsharded_accumulated_grad is not None:
                 return False
             if grad is None:
                 if zeros_for_unused and p.requires_grad:
                     return False
                 continue
-            wrong_dtype = reduce_dtype is not None and grad.dtype != reduce_dtype
-            if type(grad) is not torch.Tensor or wrong_dtype or not grad.is_contiguous():
+            if type(grad) is not torch.Tensor or (reduce_dtype is not None and grad.dtype != reduce_dtype):
                 return False
-            taken.append((p, unsharded, grad))
+            if not grad.is_contiguous():
+                return False
+            taken.append((p, grad))
         if not taken:
             return True
         tracing.emit("reduce", group.fqn, group.training_state)
-        for p, unsharded, grad in taken:
-            unsharded.grad = None
-            _accumulate_sharded_grad(p, grad)
+        for p, grad in taken:
+            p.unsharded_param.grad = None
+            p.accumulate_grad(grad)
         tracing.emit("reduce_done", group.fqn, group.training_state)
         return True
 
@@ -304,7 +302,7 @@ class GradReducer:
         pieces = torch.split_with_sizes(reduced, [p.padded_numel for p in params])  # one op: each param's segment
         shards = [p.shard_view(piece) for p, piece in zip(params, pieces)]  # our real rows
         for p, local in zip(params, _to_sharded_devices(params, shards)):
-            _accumulate_sharded_grad(p, local)
+            p.accumulate_grad(local)
         tracing.emit("reduce_done", group.fqn, group.training_state)
 
     def _run_all_reduce_hook(self, reduced: torch.Tensor) -> None:
@@ -411,22 +409,3 @@ def _to_sharded_devices(params: list[ShardedParam], shards: list[torch.Tensor]) 
     if shards[0].device.type == "cuda" and locals_[0].device.type == "cpu":  # one device per group
         torch.cuda.current_stream(shards[0].device).synchronize()
     return locals_
-
-
-def _accumulate_sharded_grad(p: ShardedParam, local: torch.Tensor) -> None:
-    """Store ``local`` (on the sharded param's device, in its dtype) as ``p``'s sharded
-    DTensor grad, or add it to the existing one."""
-    sharded = p.sharded_param
-    grad = sharded.grad
-    if grad is None:
-        sharded.grad = p.to_sharded_dtensor(local)
-    else:
-        grad._local_tensor.add_(local)
-    # The sharded param is no autograd leaf of this backward (the unsharded view is), so the
-    # hooks a user registered on it (an optimizer step per parameter) are run here, once its
-    # reduced gradient is in .grad, as torch's FSDP2 runs them. Every tensor has the slot
-    # (None until a hook is registered).
-    hooks = sharded._post_accumulate_grad_hooks
-    if hooks:
-        for hook in hooks.values():
-            hook(sharded)
