@@ -190,8 +190,10 @@ class ModuleState(TorchStateNames, _State):
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
+        self._input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None  # None: no cast
         self.reshard_after_forward = reshard_after_forward
         self.is_root = None
+        self._moves_inputs = False  # the root of a non-CPU device moves its inputs there (set at lazy init)
         self.ctx = None
         self.fqn = ""
         self.api = "fully_shard"  # or "replicate": which public call made this state
@@ -199,6 +201,7 @@ class ModuleState(TorchStateNames, _State):
         self.backward_prefetch = None
         self.unshard_async_op = False  # torch's _set_unshard_async_op; shardwise is always async inside
         self._post_forward_indices: list[int] = []
+        self._grouped = len(self.modules) > 1  # a grouped call: its members' forwards make one pass
         self._members_to_run: set[int] = {id(m) for m in self.modules}  # grouped call: who has not run
         self._on_backward = weak_post_backward(weakref.ref(self))  # what the graph holds: never keeps us alive
         # The hooks as every caller must use them: never traced by torch.compile (dynamo_compat).
@@ -249,6 +252,7 @@ class ModuleState(TorchStateNames, _State):
         for state in states:
             state.ctx = ctx
             state.is_root = state is self
+            state._moves_inputs = state.is_root and state.device.type != "cpu"
         init_checks.assign_fqns(self.modules[0], states)
         for state in states:
             state._resolve_reshard_after_forward()
@@ -268,10 +272,10 @@ class ModuleState(TorchStateNames, _State):
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.ctx is None:
             self.lazy_init()
-        if self.is_root and self.device.type != "cpu":
+        if self._moves_inputs:
             args, kwargs = tree_map(self._to_device, (args, kwargs))
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floating(self.mp_policy.param_dtype, (args, kwargs))
+        if self._input_dtype is not None:
+            args, kwargs = _cast_floating(self._input_dtype, (args, kwargs))
         # Inside a backward (a graph task runs): activation checkpointing re-runs forward. The
         # params are gathered (by our pre-backward, or here for modules nested in the
         # checkpointed region) and stay so until our post-backward: no reshard, hooks or
@@ -313,7 +317,8 @@ class ModuleState(TorchStateNames, _State):
             self.ctx.boundaries.clear()  # a new pass: no hooked tensor of the last one is an input now
             faults.begin_step(self.ctx.process_groups)
             prefetcher.start()
-        prefetcher.enter(self)
+        if self.gathers:  # the prefetcher follows only states whose unshard communicates
+            prefetcher.enter(self)
 
     def _prefetch_forward(self) -> None:
         """Explicit targets; else, on CPU, the module that followed this one last forward
@@ -353,7 +358,7 @@ class ModuleState(TorchStateNames, _State):
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         if torch._C._current_graph_task_id() != -1:  # recomputing (see the pre-forward hook)
             return _cast_floating(self.mp_policy.output_dtype, output) if self.mp_policy.output_dtype else output
-        if self.groups and self._last_member_ran(module):
+        if self.groups and (not self._grouped or self._last_member_ran(module)):
             for group in self.groups:
                 group.post_forward_reshard()
                 group.training_state = IDLE
@@ -389,9 +394,7 @@ class ModuleState(TorchStateNames, _State):
             state._members_to_run = {id(m) for m in state.modules}
 
     def _last_member_ran(self, module: nn.Module) -> bool:
-        """Grouped calls keep the params gathered until every member ran forward once."""
-        if len(self.modules) == 1:
-            return True
+        """A grouped call keeps the params gathered until every member ran forward once."""
         self._members_to_run.discard(id(module))
         if self._members_to_run:
             return False
@@ -401,13 +404,15 @@ class ModuleState(TorchStateNames, _State):
     # ---- backward ---------------------------------------------------------------------
 
     def _pre_backward(self, *unused: Any) -> None:
-        self.ctx.queue_final_callback(self)
+        ctx = self.ctx
+        if not ctx.final_callback_queued:
+            ctx.queue_final_callback(self)
         groups = self.groups
         if not groups:
             return
         for group in groups:
             group.training_state = PRE_BACKWARD
-        for reducing in self.ctx.reducing:  # their receive buffers never meet our copy-out (the peak)
+        for reducing in ctx.reducing:  # their receive buffers never meet our copy-out (the peak)
             if reducing not in groups and reducing.reducer.holds_receive_buffer:
                 reducing.finish_reduce()
         for group in groups:
@@ -459,7 +464,7 @@ class ModuleState(TorchStateNames, _State):
             ctx.reducing.clear()
         if group.reshard_after_backward:
             group.reshard()
-        group.reduce_grads()
+        group.reducer.reduce_grads()
         if ctx is not None and group not in ctx.reducing and group.reducer.frees_buffer_when_done:
             ctx.reducing.append(group)  # the next state's post-backward waits for it, bounding memory
 
@@ -468,15 +473,16 @@ class ModuleState(TorchStateNames, _State):
         self._post_forward_indices.clear()
         for group in self.groups:
             if wait_for_reductions:
-                group.finish_reduce()
+                group.reducer.finish()
             if group.reshard_after_backward and group.training_state == POST_BACKWARD:
                 group.reshard()
             group.training_state = IDLE
-        self._reset_members()
+        if self._grouped:
+            self._reset_members()
 
     def _reset_members(self) -> None:
         """Every member of a grouped call is yet to run (a one-module call never counts)."""
-        if len(self.modules) > 1:
+        if self._grouped:
             self._members_to_run = {id(m) for m in self.modules}
 
     def discard_iteration(self) -> None:
