@@ -380,3 +380,38 @@ def test_registered_method_under_fullgraph():
         assert result == {"shardwise": None, "torch": "Unsupported"}, result
     for result in run_on_ranks(_fullgraph_errors, 2, "root", timeout=TIMEOUT):
         assert result["shardwise"] == result["torch"] == "Unsupported", result
+
+
+def test_registered_hooks_skip_the_disable_wrapper_in_eager_mode(monkeypatch):
+    """A hook from ``run_eagerly`` carries ``torch.compiler.disable``'s marks (Dynamo treats
+    it as disabled) but, with no eval-frame callback installed, calls the hook itself: the
+    disabled wrapper is not entered. Called from compiled code, it is. One process."""
+    from shardwise import dynamo_compat
+
+    entered = []
+    real_disable = torch.compiler.disable
+
+    def recording_disable(fn, *args, **kwargs):
+        disabled = real_disable(fn, *args, **kwargs)
+
+        def wrapper(*a, **k):
+            entered.append(fn.__name__)
+            return disabled(*a, **k)
+
+        return wrapper
+
+    monkeypatch.setattr(torch.compiler, "disable", recording_disable)
+
+    def hook(module, args, kwargs):
+        return args, kwargs
+
+    eager = dynamo_compat.run_eagerly(hook)
+    assert eager._torchdynamo_disable and eager._torchdynamo_orig_callable is hook
+    assert eager(None, (1,), {}) == ((1,), {})
+    assert entered == [], "the disabled wrapper ran with no eval-frame callback installed"
+    torch._dynamo.reset()
+    try:  # a compiled caller breaks its graph at the disabled hook and calls it with Dynamo's callback installed
+        torch.compile(lambda: eager(None, (1,), {}), backend="eager")()
+    finally:
+        torch._dynamo.reset()
+    assert entered == ["hook"], entered
