@@ -21,7 +21,7 @@ reduce-scatter (plus one all-reduce over the replicate dim for HSDP). The group 
 * the work handles of an in-flight all-gather and reduction.
 
 Lifecycle verbs come in idempotent pairs: ``unshard``/``wait_for_unshard`` then
-``reshard``; ``reduce_grads`` then ``finish_reduce``. Gradient reduction lives in
+``reshard``; ``reducer.reduce_grads`` then ``reducer.finish``. Gradient reduction lives in
 :class:`~shardwise.reduce.GradReducer`.
 """
 
@@ -529,13 +529,7 @@ class ParamGroup(TorchGroupNames):
         self._free_unsharded()
         self.sharded_state = SHARDED_POST_FORWARD
 
-    # ---- reduction (delegated) ----------------------------------------------------------
-
-    def reduce_grads(self) -> None:
-        self.reducer.reduce_grads()
-
-    def finish_reduce(self) -> None:
-        self.reducer.finish()
+    # ---- an aborted iteration -----------------------------------------------------------
 
     def discard_iteration(self) -> None:
         """Drop in-flight work and gradients of an aborted iteration; reshard."""

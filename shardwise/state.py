@@ -127,7 +127,7 @@ class IterationContext(TorchContextNames):
         for state in self.states:
             for group in state.groups:
                 if group.training_state == POST_BACKWARD:
-                    group.finish_reduce()
+                    group.reducer.finish()
         self.reducing.clear()
 
     def _final_callback(self) -> None:
@@ -391,14 +391,14 @@ class ModuleState(TorchStateNames, _State):
             for group in state.groups:
                 group.post_forward_reshard()
                 group.training_state = IDLE
-            state._members_to_run = {id(m) for m in state.modules}
+            state._reset_members()
 
     def _last_member_ran(self, module: nn.Module) -> bool:
         """A grouped call keeps the params gathered until every member ran forward once."""
         self._members_to_run.discard(id(module))
         if self._members_to_run:
             return False
-        self._members_to_run = {id(m) for m in self.modules}
+        self._reset_members()
         return True
 
     # ---- backward ---------------------------------------------------------------------
@@ -414,7 +414,7 @@ class ModuleState(TorchStateNames, _State):
             group.training_state = PRE_BACKWARD
         for reducing in ctx.reducing:  # their receive buffers never meet our copy-out (the peak)
             if reducing not in groups and reducing.reducer.holds_receive_buffer:
-                reducing.finish_reduce()
+                reducing.reducer.finish()
         for group in groups:
             if group.unshard_in_backward:
                 group.unshard()
@@ -460,7 +460,7 @@ class ModuleState(TorchStateNames, _State):
         ctx = self.ctx
         if ctx is not None and ctx.reducing and ctx.reducing[0] not in self.groups:
             for previous in ctx.reducing:
-                previous.finish_reduce()
+                previous.reducer.finish()
             ctx.reducing.clear()
         if group.reshard_after_backward:
             group.reshard()
