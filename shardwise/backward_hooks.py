@@ -158,22 +158,30 @@ class Boundaries:
             return last[2]
         return None
 
+    def hook_output(self, t: torch.Tensor, hook: Callable) -> None:
+        """Run ``hook`` when ``t``'s gradient is about to flow back; ``t`` becomes the output
+        hooked last. A leaf output (no node) takes a tensor hook and is nobody's input."""
+        hooks = self._hooks_of_last(t)
+        if hooks is not None:
+            hooks.add_pre_backward(hook)
+        elif t.grad_fn is None:
+            t.register_hook(hook)
+            self._last = None
+            return
+        else:
+            hooks = OutputHooks(hook)
+            register_tensor_hook(t, hooks)
+        self._last = (weakref.ref(t), t._version, hooks)
+
     def hook_outputs(self, tensors: list[torch.Tensor], hook: Callable) -> None:
-        """Run ``hook`` when the first of ``tensors``' gradients is about to flow back. A
-        leaf output (no node) takes a tensor hook."""
-        last = None
+        """Run ``hook`` when the first of ``tensors``' gradients is about to flow back. Of
+        several outputs none is the output hooked last: no one block's input."""
+        before = self._last  # each output may be the input that was hooked last: compare with it
         for t in tensors:
-            hooks = self._hooks_of_last(t)
-            if hooks is not None:
-                hooks.add_pre_backward(hook)
-            elif t.grad_fn is None:
-                t.register_hook(hook)
-                continue
-            else:
-                hooks = OutputHooks(hook)
-                register_tensor_hook(t, hooks)
-            last = (weakref.ref(t), t._version, hooks)
-        self._last = last if len(tensors) == 1 else None
+            self._last = before
+            self.hook_output(t, hook)
+        if len(tensors) > 1:
+            self._last = None
 
     def hook_input(self, t: torch.Tensor, on_backward: OnBackward) -> bool:
         """Call ``on_backward`` (a post-backward) in ``t``'s hooks if ``t`` is the output hooked

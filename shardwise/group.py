@@ -92,6 +92,7 @@ class ParamGroup(TorchGroupNames):
     _param_views: list[torch.Tensor | None]  # per param: a plain param's segment viewed in its dtype
     _post_forward_shard: torch.Tensor | None  # (N/k*P,) our block's share, between fwd and bwd
     _sites: tuple[tuple, ...]  # (module, name, param) for every site of every param: what a swap writes
+    pending_gather: _PendingGather | None  # the all-gather in flight (unshard issued, not yet waited)
     _own_unsharded_params: tuple[ShardedParam, ...]  # Shard(d != 0): unsharded storage of their own
 
     def __init__(
@@ -117,7 +118,7 @@ class ParamGroup(TorchGroupNames):
         self.training_state = IDLE
         self.sharded_state = SHARDED
         self.post_forward = None
-        self._pending_gather: _PendingGather | None = None
+        self.pending_gather = None
         self._gathered_version = -1  # the shards' version (_shard_version) when last gathered
         self._drop_unsharded_buffers()
         self._post_forward_shard = None
@@ -250,7 +251,7 @@ class ParamGroup(TorchGroupNames):
     @property
     def gathered_or_gathering(self) -> bool:
         """Unsharded, or an all-gather (e.g. a prefetch) is in flight."""
-        return self.is_unsharded or self._pending_gather is not None
+        return self.is_unsharded or self.pending_gather is not None
 
     # ---- unshard ----------------------------------------------------------------------
 
@@ -351,7 +352,8 @@ class ParamGroup(TorchGroupNames):
         return [t for inputs in per_param for t in inputs]
 
     def unshard(self, async_op: bool = False) -> None:
-        """Start gathering the group's params (idempotent); ``wait_for_unshard`` finishes it.
+        """Start gathering the group's params (idempotent); ``wait_for_unshard`` finishes it,
+        or this call itself unless ``async_op`` (a gather already in flight included).
 
         Params kept gathered (``reshard_after_forward=False`` after a no-grad forward, say)
         whose shards changed since they were gathered (an optimizer step, a checkpoint
@@ -362,11 +364,15 @@ class ParamGroup(TorchGroupNames):
         """
         if self.aliases_shard and not self._params_replaced and self.post_optim_event is None:
             if self.sharded_state is not UNSHARDED:
-                tracing.emit("unshard", self.fqn, self.training_state)
+                if tracing.wanted():  # nothing to gather: issued and waited at once
+                    tracing.emit("unshard", self.fqn, self.training_state)
+                    tracing.emit("wait_unshard", self.fqn, self.training_state)
                 self._register_unsharded()
             return
-        if self.sharded_state is UNSHARDED or self._pending_gather is not None:
+        if self.sharded_state is UNSHARDED or self.pending_gather is not None:
             if not self._gathered_stale():
+                if not async_op:
+                    self.wait_for_unshard()  # a prefetch in flight: gathered when we return
                 return
             self.reshard()  # now SHARDED, nothing in flight: gathered again below
         if self._params_replaced:  # module._apply or an assigning load replaced them
@@ -383,6 +389,7 @@ class ParamGroup(TorchGroupNames):
         self._ensure_unsharded_buffer()
         tracing.emit("unshard", self.fqn, self.training_state)
         if self.aliases_shard:
+            tracing.emit("wait_unshard", self.fqn, self.training_state)
             self._register_unsharded()
             return
         self._gathered_version = self._shard_version()
@@ -397,7 +404,7 @@ class ParamGroup(TorchGroupNames):
                 lambda: self.all_gather_comm(gathered, gather_input, group, async_op=True),
             )
             tracing.comm_issued("all_gather", self.fqn, self.training_state, start, work)
-        self._pending_gather = _PendingGather(work, gathered, n, scratch)
+        self.pending_gather = _PendingGather(work, gathered, n, scratch)
         if not async_op:
             self.wait_for_unshard()
 
@@ -446,10 +453,10 @@ class ParamGroup(TorchGroupNames):
 
     def wait_for_unshard(self) -> None:
         """Finish an in-flight all-gather: copy out, then register the unsharded params."""
-        pending = self._pending_gather
+        pending = self.pending_gather
         if pending is None:
             return
-        self._pending_gather = None
+        self.pending_gather = None
         if pending.work is not None:
             tracing.wait(pending.work, "all_gather", self.fqn, self.training_state)
         if not self._lands_unsharded(pending.gathered):
@@ -460,6 +467,8 @@ class ParamGroup(TorchGroupNames):
         self._post_forward_shard = None
         for p, view in zip(self.params, self._param_views):
             p.gather.finish(p, view)
+        if tracing.wanted():
+            tracing.emit("wait_unshard", self.fqn, self.training_state)
         self._register_unsharded()
 
     def _copy_out(self, pending: _PendingGather) -> None:
@@ -482,13 +491,12 @@ class ParamGroup(TorchGroupNames):
         for module, name, p in self._sites:
             module._parameters[name] = p.unsharded_param  # a direct write: a plain tensor is no Parameter
         self.sharded_state = UNSHARDED
-        tracing.emit("wait_unshard", self.fqn, self.training_state)
 
     # ---- reshard ----------------------------------------------------------------------
 
     def reshard(self) -> None:
         """Register the sharded params and free every unsharded byte (idempotent)."""
-        if self._pending_gather is not None:
+        if self.pending_gather is not None:
             self.wait_for_unshard()
         self._post_forward_shard = None
         if self.sharded_state is UNSHARDED:  # SHARDED_POST_FORWARD was freed already
@@ -506,7 +514,8 @@ class ParamGroup(TorchGroupNames):
             p.gather.free()
         if self._unsharded_flat is not None:
             self._unsharded_flat.untyped_storage().resize_(0)
-        tracing.emit("reshard", self.fqn, self.training_state)
+        if tracing.wanted():
+            tracing.emit("reshard", self.fqn, self.training_state)
 
     def post_forward_reshard(self) -> None:
         """After forward: reshard fully (True), to a block of k ranks (int), or keep (False)."""
@@ -514,7 +523,8 @@ class ParamGroup(TorchGroupNames):
         if policy is False or self.sharded_state is not UNSHARDED:
             return
         if policy is True or self.post_forward is None:
-            self.reshard()
+            self._free_unsharded()  # what reshard does when UNSHARDED: nothing is in flight then
+            self.sharded_state = SHARDED
             return
         if self._extended:
             raise NotImplementedError(
@@ -533,9 +543,9 @@ class ParamGroup(TorchGroupNames):
 
     def discard_iteration(self) -> None:
         """Drop in-flight work and gradients of an aborted iteration; reshard."""
-        if self._pending_gather is not None and self._pending_gather.work is not None:
-            self._pending_gather.work.wait()
-        self._pending_gather = None
+        if self.pending_gather is not None and self.pending_gather.work is not None:
+            self.pending_gather.work.wait()
+        self.pending_gather = None
         self.reducer.discard()
         self.reshard()
         self.training_state = IDLE

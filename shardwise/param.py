@@ -268,6 +268,7 @@ class ShardedParam(TorchParamNames):
         expected = self._sharded_spec(self.sharded_param.dtype)
         own = self.sharded_param._spec
         self._spec = own if own == expected else expected
+        self._spec_dtype = self._spec.tensor_meta.dtype
 
     def accumulate_grad(self, local: torch.Tensor) -> None:
         """Store ``local`` (our rank's reduced gradient shard, on the sharded param's device) as
@@ -284,7 +285,7 @@ class ShardedParam(TorchParamNames):
         if grad is not None:
             grad._local_tensor.add_(local)
         else:
-            spec = self._spec if local.dtype == self._spec.tensor_meta.dtype else self._sharded_spec(local.dtype)
+            spec = self._spec if local.dtype == self._spec_dtype else self._sharded_spec(local.dtype)
             # DTensor's own __new__ (C++) sets the local tensor and spec; DTensor.__init__
             # does nothing in eager mode (it only intercepts torch.export) and costs more
             # than the construction itself behind its two wrappers: one per param and step.

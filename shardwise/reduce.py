@@ -74,9 +74,10 @@ class GradReducer:
     reduce_scatter_unused_params: bool
     max_input_buffers: int  # scheduling only: how many packed buffers may be in flight
     frees_buffer_when_done: bool  # a reduction in flight holds a buffer that is garbage once done
-    _pending: _PendingReduce | None
+    pending: _PendingReduce | None  # the reduction in flight (issued, not yet finished)
     _partial: _PendingReduce | None  # HSDP shard reduced but not yet all-reduced
     _grad_buffer: ReusableBuffer  # shard size 1: the buffer the gradients live in
+    _holds_unsynced_grads: bool  # some param's unsharded_accumulated_grad is set (sync was off)
 
     def __init__(self, group: ReducingGroup):
         self._group_ref = weakref.ref(group)
@@ -90,15 +91,17 @@ class GradReducer:
         self.all_reduce_hook_stream = None
         self.reduce_scatter_unused_params = False
         self.max_input_buffers = 1
-        self._pending = None
+        self.pending = None
         self._partial = None
         self._grad_buffer = ReusableBuffer()
+        self._holds_unsynced_grads = False
         # Whether a reduction in flight holds a buffer that is garbage once it completes: the
         # reduce-scatter's ``(N, Pg)`` input. Post-backward then finishes the previous group's
         # reduction before packing its own, so at most one such buffer is alive. With shard
         # size 1 (``replicate``) the packed buffer *becomes* the gradients, so every group's
         # all-reduce stays in flight until the end of backward, as DDP's buckets do.
         self.frees_buffer_when_done = group.mesh_info.shard_size > 1
+        self._one_rank = group.mesh_info.shard_size == 1 and group.mesh_info.replicate_size == 1  # the mesh is fixed
         mp = group.mp_policy  # fixed for the group's life
         self._policy_reduce_dtype = mp.reduce_dtype or mp.param_dtype  # None: each gradient's own dtype
 
@@ -119,7 +122,7 @@ class GradReducer:
         (where a step's memory peaks): the live buffers are then those of FSDP2, which
         reduce-scatters synchronously on gloo. Over 2 ranks the one received chunk lands in
         the output, and the reduction overlaps the next group's backward."""
-        return self._pending is not None and self._pending.receive_buffer
+        return self.pending is not None and self.pending.receive_buffer
 
     # ---- gradients --------------------------------------------------------------------
 
@@ -151,6 +154,7 @@ class GradReducer:
             acc = p.unsharded_accumulated_grad
             # Add in the gradient's precision and round once into reduce_dtype.
             p.unsharded_accumulated_grad = grad.to(dtype) if acc is None else acc.add_(grad)
+            self._holds_unsynced_grads = True
 
     def _take_grads(self) -> tuple[list[ShardedParam], list[torch.Tensor]]:
         """Detach every unsharded grad (plus accumulated ones) from the unsharded params."""
@@ -173,6 +177,7 @@ class GradReducer:
                 grad = acc if grad is None else acc.add_(grad)
             params.append(p)
             grads.append(grad)
+        self._holds_unsynced_grads = False
         return params, grads
 
     def _start(self, params: list[ShardedParam], grads: list[torch.Tensor]) -> None:
@@ -186,7 +191,7 @@ class GradReducer:
             packed.mul_(plan.pre_multiply)
         tracing.emit("reduce", group.fqn, group.training_state)
         if n == 1:
-            self._pending = self._start_without_shards(params, packed, plan.post_divide)  # never an AVG stand-in
+            self.pending = self._start_without_shards(params, packed, plan.post_divide)  # never an AVG stand-in
             return
         comm = self.reduce_scatter_comm
         reduced = comm.allocate((packed.size(1),), dtype=dtype, device=packed.device)
@@ -198,7 +203,7 @@ class GradReducer:
         )
         tracing.comm_issued("reduce_scatter", group.fqn, group.training_state, start, work)
         receive_buffer = isinstance(comm, collectives.DefaultReduceScatter) and collectives.all_to_all_receive_buffer(pg)
-        self._pending = _PendingReduce(
+        self.pending = _PendingReduce(
             work, reduced, params, plan.post_divide, packed, receive_buffer=receive_buffer,
             divide_before_hook=plan.divides_as_collective,
         )
@@ -212,49 +217,48 @@ class GradReducer:
 
         The unsharded params of such a group are its padded shards (``aliases_shard``): no
         cast or move. With one rank the reduction divides only by a ``divide_factor``. A
-        reduction still pending (one that took the general path) is finished by it first."""
-        mesh_info = group.mesh_info
+        reduction still pending (one that took the general path) is finished by it first;
+        so are gradients accumulated while sync was off, which are added in the reduce
+        dtype, and unused params reduced as zeros (``reduce_scatter_unused_params``)."""
         return (
-            group.aliases_shard and mesh_info.shard_size == 1 and mesh_info.replicate_size == 1
-            and self.all_reduce_hook is None and self._pending is None
-            and (self.divide_factor is None or self.divide_factor == 1.0)
+            self.pending is None and self._one_rank and group.aliases_shard and not self._holds_unsynced_grads
+            and self.all_reduce_hook is None
+            and (self.divide_factor is None or self.divide_factor == 1.0) and not self.reduce_scatter_unused_params
         )  # fmt: skip
 
     def _hand_over(self, group: ReducingGroup) -> bool:
         """Set each unsharded gradient as its param's sharded ``.grad`` (see
-        :meth:`_hands_over_directly`); False, having taken nothing, when one is not what the
-        hand-over needs: a plain contiguous tensor in the reduce dtype, alone (no gradient
-        accumulated with sync off; no unused param to reduce as zeros).
+        :meth:`_hands_over_directly`), in param order; False at the first param whose
+        gradient is not what the hand-over needs: a plain tensor in the reduce dtype. The
+        general path then reduces that param's and the rest's: a param handed over has no
+        unsharded gradient left, and its values are what the general path would give it.
 
         torch gives a plain tensor's ``.grad`` its tensor's dtype, device and shape (autograd
         and the setter both check), and the unsharded params here are the shards: what is
-        left to check per gradient is its type, dtype and layout (the setter takes any
-        strides). One pass checks, the next hands over: a plain loop each, no list of params
-        and grads for the general path to build."""
+        left to check per gradient is its type and dtype. Its layout is the shard's:
+        autograd stores a leaf's gradient with the leaf's strides (its layout contract), and
+        these leaves are contiguous (``Shard(0)``, one shard). One plain loop: no list of
+        params and grads is built."""
         reduce_dtype = self._policy_reduce_dtype  # None: the grads' own
-        zeros_for_unused = self.reduce_scatter_unused_params
-        taken = []
+        traced = tracing.wanted()
+        handed, complete = False, True
         for p in group.params:
-            grad = p.unsharded_param.grad
-            if p.unsharded_accumulated_grad is not None:
-                return False
+            unsharded = p.unsharded_param
+            grad = unsharded.grad
             if grad is None:
-                if zeros_for_unused and p.requires_grad:
-                    return False
-                continue
+                continue  # not used in this backward
             if type(grad) is not torch.Tensor or (reduce_dtype is not None and grad.dtype != reduce_dtype):
-                return False
-            if not grad.is_contiguous():
-                return False
-            taken.append((p, grad))
-        if not taken:
-            return True
-        tracing.emit("reduce", group.fqn, group.training_state)
-        for p, grad in taken:
-            p.unsharded_param.grad = None
+                complete = False
+                break
+            if not handed:
+                handed = True
+                if traced:
+                    tracing.emit("reduce", group.fqn, group.training_state)
+            unsharded.grad = None
             p.accumulate_grad(grad)
-        tracing.emit("reduce_done", group.fqn, group.training_state)
-        return True
+        if handed and traced:
+            tracing.emit("reduce_done", group.fqn, group.training_state)
+        return complete
 
     def _start_without_shards(self, params, packed: torch.Tensor, post_divide: float) -> _PendingReduce:
         """Shard size 1: nothing to reduce-scatter; replicate issues its all-reduce right away
@@ -276,10 +280,10 @@ class GradReducer:
 
     def finish(self) -> None:
         """Wait for the in-flight reduction and accumulate it into the sharded ``.grad``s."""
-        pending = self._pending
+        pending = self.pending
         if pending is None:
             return
-        self._pending = None
+        self.pending = None
         group = self.group
         if pending.work is not None:
             kind = "all_reduce" if pending.all_reduced else "reduce_scatter"
@@ -352,10 +356,11 @@ class GradReducer:
 
     def discard(self) -> None:
         """Forget an aborted iteration's reductions and unsynced gradients."""
-        if self._pending is not None and self._pending.work is not None:
-            self._pending.work.wait()
-        self._pending = None
+        if self.pending is not None and self.pending.work is not None:
+            self.pending.work.wait()
+        self.pending = None
         self._partial = None
+        self._holds_unsynced_grads = False
         for p in self.group.params:
             p.unsharded_accumulated_grad = None
             if p.unsharded_param is not None:

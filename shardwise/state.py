@@ -44,6 +44,10 @@ from shardwise.torch_names import TorchContextNames, TorchStateNames
 
 logger = logging.getLogger(__name__)
 
+# Read once per hook call: bound here, not looked up on ``torch`` each time.
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward
+_grad_enabled = torch.is_grad_enabled
+
 STATE_ATTR = "_shardwise_module_state"
 
 
@@ -82,6 +86,7 @@ class IterationContext(TorchContextNames):
     process_groups: list  # every process group the states communicate on (faults' step marks)
     boundaries: Boundaries  # this forward pass's hooked tensors: where backward meets each state
     orders_backward_prefetch: bool  # some state gathers: post_forward_order steers the implicit backward prefetch
+    grouped_states: list["ModuleState"]  # the states of grouped calls (fully_shard([a, b])): their members' passes
 
     def __init__(self, root: "ModuleState", states: list["ModuleState"]):
         self.root = root
@@ -96,6 +101,7 @@ class IterationContext(TorchContextNames):
         self.process_groups = _process_groups(states)
         self.boundaries = Boundaries()
         self.orders_backward_prefetch = any(state.gathers for state in states)
+        self.grouped_states = [state for state in states if state._grouped]
 
     def queue_final_callback(self, state: "ModuleState") -> None:
         """Queue the end-of-backward callback, from the root or the iteration's first module.
@@ -138,9 +144,9 @@ class IterationContext(TorchContextNames):
         post-backward."""
         for state in self.states:
             for group in state.reversed_groups:
-                if group.training_state == POST_BACKWARD:
+                if group.training_state is POST_BACKWARD:
                     continue
-                if group.gathered_or_gathering or group.training_state == PRE_BACKWARD:
+                if group.gathered_or_gathering or group.training_state is PRE_BACKWARD:
                     state.post_backward_group(group)
         for state in self.states:
             state.finish_iteration(wait_for_reductions=self.is_last_backward)
@@ -280,14 +286,14 @@ class ModuleState(TorchStateNames, _State):
         # params are gathered (by our pre-backward, or here for modules nested in the
         # checkpointed region) and stay so until our post-backward: no reshard, hooks or
         # order bookkeeping then (the post-forward hook tests the same).
-        if torch._C._current_graph_task_id() != -1:
+        if _graph_task_id() != -1:
             self._unshard_and_wait()  # nested modules were resharded after forward
             return args, kwargs
         # A grouped call's later members join the pass the first member opened: one
         # post-backward trigger (one reduction) per pass.
         groups = self.groups
-        entering_pass = not groups or groups[0].training_state != FORWARD
-        if entering_pass:
+        entering_pass = not groups or groups[0].training_state is not FORWARD
+        if entering_pass and (self.is_root or self.gathers):  # else _enter_forward has nothing to do
             self._enter_forward()
         if groups:
             for group in groups:
@@ -296,10 +302,12 @@ class ModuleState(TorchStateNames, _State):
             if self.forward_prefetch is not None or self.gathers:  # else _prefetch_forward has nothing to start
                 self._prefetch_forward()  # queued behind our own all-gathers, before we wait for them
             for group in groups:
-                group.wait_for_unshard()
-        if torch.is_grad_enabled():
-            if self.ctx.iter_root is None:
-                self.ctx.iter_root = self
+                if group.pending_gather is not None:
+                    group.wait_for_unshard()
+        if _grad_enabled():
+            ctx = self.ctx
+            if ctx.iter_root is None:
+                ctx.iter_root = self
             if entering_pass:
                 args, kwargs = self._wrap_post_backward_trigger(args, kwargs)
         return args, kwargs
@@ -336,12 +344,13 @@ class ModuleState(TorchStateNames, _State):
         """Arrange this state's post-backward for when its inputs' gradients are complete: in
         the hooks of the one input that needs grad when a block before returned it
         (:mod:`shardwise.backward_hooks`), else torch's identity Function around them all."""
-        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # one plain tensor: most blocks
-            if not args[0].requires_grad or not self.groups:
+        if len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor:  # one plain tensor: most blocks
+            x = args[0]
+            if not x.requires_grad or not self.groups:
                 return args, kwargs
-            if self.ctx.boundaries.hook_input(args[0], self._on_backward):  # in the hooks it carries
+            if self.ctx.boundaries.hook_input(x, self._on_backward):  # in the hooks it carries
                 return args, kwargs
-            return tuple(PostBackwardTrigger.apply(self._on_backward, args[0])), kwargs
+            return tuple(PostBackwardTrigger.apply(self._on_backward, x)), kwargs
         plain = not kwargs and all(isinstance(x, torch.Tensor) for x in args)  # positional tensors: no pytree
         flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -356,36 +365,43 @@ class ModuleState(TorchStateNames, _State):
         return (tuple(flat), kwargs) if spec is None else spec.unflatten(flat)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        if torch._C._current_graph_task_id() != -1:  # recomputing (see the pre-forward hook)
+        if _graph_task_id() != -1:  # recomputing (see the pre-forward hook)
             return _cast_floating(self.mp_policy.output_dtype, output) if self.mp_policy.output_dtype else output
         if self.groups and (not self._grouped or self._last_member_ran(module)):
             for group in self.groups:
                 group.post_forward_reshard()
                 group.training_state = IDLE
-        if torch.is_grad_enabled():
-            if self.ctx.orders_backward_prefetch:
-                self._post_forward_indices.append(len(self.ctx.post_forward_order))
-                self.ctx.post_forward_order.append(self)
+        if _grad_enabled():
+            ctx = self.ctx
+            if ctx.orders_backward_prefetch:
+                self._post_forward_indices.append(len(ctx.post_forward_order))
+                ctx.post_forward_order.append(self)
             if type(output) is torch.Tensor:  # most blocks: no pytree walk
-                tensors = [output] if output.requires_grad else None
+                if output.requires_grad:  # its hook runs once per backward by itself: no PreBackwardHook
+                    ctx.boundaries.hook_output(output, self._pre_backward)
             else:
-                leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
-                tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:  # one output's hook runs once per backward by itself (no PreBackwardHook needed)
-                hook = self._pre_backward if len(tensors) == 1 else PreBackwardHook(self)
-                self.ctx.boundaries.hook_outputs(tensors, hook)
+                self._hook_outputs(output)
         if self.is_root:
-            self._complete_partial_groups()
+            if self.ctx.grouped_states:
+                self._complete_partial_groups()
             self.ctx.forward_prefetcher.finish()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(self.mp_policy.output_dtype, output)
         return output
 
+    def _hook_outputs(self, output: Any) -> None:
+        """Hook the tensors that need grad in ``output`` (any pytree) for our pre-backward."""
+        leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:  # one output's hook runs once per backward by itself (no PreBackwardHook needed)
+            hook = self._pre_backward if len(tensors) == 1 else PreBackwardHook(self)
+            self.ctx.boundaries.hook_outputs(tensors, hook)
+
     def _complete_partial_groups(self) -> None:
         """At the root's post-forward, finish grouped states whose forward ran only some
         members (a chunked-loss head): reshard per policy; later standalone member calls
         then keep the params gathered until backward."""
-        for state in self.ctx.states:
+        for state in self.ctx.grouped_states:
             if state is self or not state.groups or len(state._members_to_run) in (0, len(state.modules)):
                 continue
             for group in state.groups:
@@ -410,16 +426,15 @@ class ModuleState(TorchStateNames, _State):
         groups = self.groups
         if not groups:
             return
-        for group in groups:
-            group.training_state = PRE_BACKWARD
         for reducing in ctx.reducing:  # their receive buffers never meet our copy-out (the peak)
             if reducing not in groups and reducing.reducer.holds_receive_buffer:
                 reducing.reducer.finish()
         for group in groups:
+            group.training_state = PRE_BACKWARD
             if group.unshard_in_backward:
-                group.unshard()
-                group.wait_for_unshard()
-        self._prefetch_backward()  # after our copy-out: its gather buffer never coexists with ours
+                group.unshard()  # and wait: a prefetch in flight included
+        if self.backward_prefetch is not None or self._post_forward_indices:  # else nothing to prefetch
+            self._prefetch_backward()  # after our copy-out: its gather buffer never coexists with ours
 
     def _prefetch_backward(self) -> None:
         if self.backward_prefetch is not None:
@@ -456,7 +471,8 @@ class ModuleState(TorchStateNames, _State):
         as FSDP2); this state's groups stay in flight together.
         """
         group.training_state = POST_BACKWARD
-        tracing.emit("post_backward", group.fqn, group.training_state)
+        if tracing.wanted():
+            tracing.emit("post_backward", group.fqn, group.training_state)
         ctx = self.ctx
         if ctx is not None and ctx.reducing and ctx.reducing[0] not in self.groups:
             for previous in ctx.reducing:
@@ -465,16 +481,18 @@ class ModuleState(TorchStateNames, _State):
         if group.reshard_after_backward:
             group.reshard()
         group.reducer.reduce_grads()
-        if ctx is not None and group not in ctx.reducing and group.reducer.frees_buffer_when_done:
+        if group.reducer.frees_buffer_when_done and ctx is not None and group not in ctx.reducing:
             ctx.reducing.append(group)  # the next state's post-backward waits for it, bounding memory
 
     def finish_iteration(self, wait_for_reductions: bool) -> None:
         """End of backward: wait for our reduction, reshard, return to IDLE."""
-        self._post_forward_indices.clear()
+        if self._post_forward_indices:
+            self._post_forward_indices.clear()
         for group in self.groups:
-            if wait_for_reductions:
-                group.reducer.finish()
-            if group.reshard_after_backward and group.training_state == POST_BACKWARD:
+            reducer = group.reducer
+            if wait_for_reductions and reducer.pending is not None:
+                reducer.finish()
+            if group.training_state is POST_BACKWARD and group.reshard_after_backward:
                 group.reshard()
             group.training_state = IDLE
         if self._grouped:

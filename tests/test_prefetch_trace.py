@@ -317,3 +317,47 @@ def _async_unshard() -> None:
 
 def test_async_unshard():
     run_on_ranks(_async_unshard, 2, timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------- the torch profiler's ranges
+
+
+def _profiled_names(run) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    return [e.name for e in prof.events() if e.name.startswith("shardwise::")]
+
+
+def test_lifecycle_events_are_profiler_ranges_without_a_trace(single_rank):
+    """With no ``shardwise.trace()`` open, each lifecycle event is still a ``shardwise::<kind>
+    (<fqn>)`` range while the torch profiler runs, also when it starts between forward and
+    backward; at world size 1 every block is gathered by registering its shards (``unshard``
+    and ``wait_unshard`` at once) and its gradients are handed over (``reduce``,
+    ``reduce_done``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)))
+    for block in model:
+        shardwise.fully_shard(block)
+    shardwise.fully_shard(model)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()  # lazy init names the groups
+    loss = None
+
+    def forward():
+        nonlocal loss
+        loss = model(x).sum()
+
+    forward_names = _profiled_names(forward)
+    backward_names = _profiled_names(lambda: loss.backward())
+    assert forward_names == [  # the root has no parameters of its own: no group, no events
+        "shardwise::unshard (0)", "shardwise::wait_unshard (0)", "shardwise::reshard (0)",
+        "shardwise::unshard (1)", "shardwise::wait_unshard (1)", "shardwise::reshard (1)",
+    ], forward_names  # fmt: skip
+    for fqn in ("0", "1"):
+        for kind in ("unshard", "wait_unshard", "post_backward", "reshard", "reduce", "reduce_done"):
+            assert f"shardwise::{kind} ({fqn})" in backward_names, (kind, fqn, backward_names)
+    assert not shardwise.tracing.wanted()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert shardwise.tracing.wanted()
+    with shardwise.trace():
+        assert shardwise.tracing.wanted()

@@ -263,6 +263,50 @@ def test_world_size_one_knobs_like_torch(knob):
     run_on_ranks(_world_size_one_knob, 1, knob, timeout=TIMEOUT)
 
 
+class _Marked(torch.Tensor):
+    """A plain tensor subclass: a gradient of this type is not handed over as it is."""
+
+
+def _world_size_one_partial_hand_over() -> None:
+    """At world size 1 the hand-over stops at the first gradient it cannot take as it is (here
+    one of another tensor type, left by a micro-batch with sync off): the params before it
+    keep what was handed over, the general path reduces that one and the rest. Gradients
+    equal torch's FSDP2, and every param's post-accumulate-grad hook runs once."""
+    mesh = _mesh((1,))
+    torch.manual_seed(0)
+    base = _WithUnused()
+    models = {}
+    for name, fully_shard_fn in (("ours", shardwise.fully_shard), ("torch", torch_fully_shard)):
+        model = copy.deepcopy(base)
+        fully_shard_fn(model.used, mesh=mesh)
+        fully_shard_fn(model, mesh=mesh)
+        models[name] = model
+    calls = {name: 0 for name, _ in models["ours"].used.named_parameters()}
+    for name, param in models["ours"].used.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda p, name=name: calls.__setitem__(name, calls[name] + 1))
+    gen = generator(0)
+    xs = [torch.randn(4, 8, generator=gen) for _ in range(2)]
+    for model in models.values():
+        model.set_requires_gradient_sync(False)
+        model(xs[0]).pow(2).sum().backward()
+    (group,) = shardwise.fully_shard.state(models["ours"].used).groups
+    marked = group.params[2]  # used.2.weight: after used.0's weight and bias, before used.2.bias
+    assert marked.fqn == "used.2.weight", [p.fqn for p in group.params]
+    marked.unsharded_param.grad = marked.unsharded_param.grad.as_subclass(_Marked)
+    for model in models.values():
+        model.set_requires_gradient_sync(True)
+        model(xs[1]).pow(2).sum().backward()
+    assert calls == {name: 1 for name in calls}, f"post-accumulate-grad hook calls: {calls}"
+    for (name, a), b in zip(models["ours"].named_parameters(), models["torch"].parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            assert torch.equal(a.grad.to_local(), b.grad.to_local()), f"{name}.grad"
+
+
+def test_world_size_one_hand_over_stops_at_a_gradient_it_cannot_take():
+    run_on_ranks(_world_size_one_partial_hand_over, 1, timeout=TIMEOUT)
+
+
 def _hook_sees_what_torchs_sees(shape: tuple[int, ...], knob: str) -> None:
     """An all-reduce hook that changes the gradient (adds 1): where it runs relative to the
     division decides the result. torch runs it on its collectives' output, before its own
