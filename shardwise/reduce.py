@@ -30,7 +30,7 @@ from shardwise import collectives, tracing
 from shardwise.buffers import ReusableBuffer
 from shardwise.faults import monitor
 from shardwise.mesh import MeshInfo
-from shardwise.param import ShardedParam
+from shardwise.param import ShardedParam, with_grad_access
 from shardwise.policies import MixedPrecisionPolicy
 
 
@@ -132,7 +132,7 @@ class GradReducer:
             self._accumulate_unsynced()
             return
         group = self._group_ref()
-        if self._hands_over_directly(group) and self._hand_over(group):
+        if self._hands_over_directly(group) and with_grad_access(group.params, self._hand_over, group):
             return
         params, grads = self._take_grads()
         if not params:
@@ -305,8 +305,7 @@ class GradReducer:
         params = pending.params
         pieces = torch.split_with_sizes(reduced, [p.padded_numel for p in params])  # one op: each param's segment
         shards = [p.shard_view(piece) for p, piece in zip(params, pieces)]  # our real rows
-        for p, local in zip(params, _to_sharded_devices(params, shards)):
-            p.accumulate_grad(local)
+        with_grad_access(params, _accumulate_each, params, _to_sharded_devices(params, shards))
         tracing.emit("reduce_done", group.fqn, group.training_state)
 
     def _run_all_reduce_hook(self, reduced: torch.Tensor) -> None:
@@ -396,6 +395,11 @@ def _pack_rank_major(
     if pre_divide != 1.0:
         packed.div_(pre_divide)
     return packed
+
+
+def _accumulate_each(params: list[ShardedParam], locals_: list[torch.Tensor]) -> None:
+    for p, local in zip(params, locals_):
+        p.accumulate_grad(local)
 
 
 def _to_sharded_devices(params: list[ShardedParam], shards: list[torch.Tensor]) -> list[torch.Tensor]:

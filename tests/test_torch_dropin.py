@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -249,6 +250,8 @@ def _hooked_training(fully_shard_fn, per_param_optim: bool) -> tuple[dict, list[
 
     def hook(param: torch.Tensor) -> None:
         counts[names[param]] = counts.get(names[param], 0) + 1
+        if not torch._C._is_torch_function_enabled():  # user code: tensor subclasses must work in it
+            counts["ran without torch functions"] = counts.get("ran without torch functions", 0) + 1
         if per_param_optim:
             optims[param].step()
             optims[param].zero_grad()
@@ -276,8 +279,9 @@ def _post_accumulate_grad_hooks_run_like_torch() -> None:
     assert all(torch.equal(a, b) for a, b in zip(stepped_after, stepped_in_hook))
 
 
-def test_post_accumulate_grad_hooks_on_sharded_params_run_once_per_backward_like_torch():
-    run_on_ranks(_post_accumulate_grad_hooks_run_like_torch, 2, timeout=TIMEOUT)
+@pytest.mark.parametrize("world_size", [1, 2])  # 1: each gradient handed over as it is; 2: reduce-scattered
+def test_post_accumulate_grad_hooks_on_sharded_params_run_once_per_backward_like_torch(world_size):
+    run_on_ranks(_post_accumulate_grad_hooks_run_like_torch, world_size, timeout=TIMEOUT)
 
 
 # ---------------------------------------------------------------- collectives patched on dist
