@@ -216,10 +216,10 @@ class GradReducer:
         sets ``.grad`` there too): packing would only copy it into a buffer and split it out.
 
         The unsharded params of such a group are its padded shards (``aliases_shard``): no
-        cast or move. With one rank the reduction divides only by a ``divide_factor``. A
-        reduction still pending (one that took the general path) is finished by it first;
-        so are gradients accumulated while sync was off, which are added in the reduce
-        dtype, and unused params reduced as zeros (``reduce_scatter_unused_params``)."""
+        cast or move. With one rank the reduction divides only by a ``divide_factor``. These
+        take the general path: a reduction still pending (which it finishes first), gradients
+        accumulated while sync was off (added in the reduce dtype) and unused params reduced
+        as zeros (``reduce_scatter_unused_params``)."""
         return (
             self.pending is None and self._one_rank and group.aliases_shard and not self._holds_unsynced_grads
             and self.all_reduce_hook is None
@@ -398,6 +398,7 @@ def _pack_rank_major(
 
 
 def _accumulate_each(params: list[ShardedParam], locals_: list[torch.Tensor]) -> None:
+    """``accumulate_grad`` for each param, in order (what :func:`with_grad_access` runs)."""
     for p, local in zip(params, locals_):
         p.accumulate_grad(local)
 
