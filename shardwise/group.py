@@ -523,8 +523,7 @@ class ParamGroup(TorchGroupNames):
         if policy is False or self.sharded_state is not UNSHARDED:
             return
         if policy is True or self.post_forward is None:
-            self._free_unsharded()  # what reshard does when UNSHARDED: nothing is in flight then
-            self.sharded_state = SHARDED
+            self.reshard()
             return
         if self._extended:
             raise NotImplementedError(

@@ -129,6 +129,31 @@ class _Cases:
         ours = _shard(base, shardwise.fully_shard, mesh=mesh)
         _train_side_by_side(ours, theirs)
 
+    def test_post_accumulate_grad_hooks_run_once_with_torch_functions_on(self) -> None:
+        """A hook on every sharded param runs once per param and backward, with torch
+        functions enabled (the reducer's ``.grad`` accesses skip the ``__torch_function__``
+        lookup only when no hook is registered); losses, params and grads stay bit-equal to
+        torch's FSDP2."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        torch.manual_seed(0)
+        base = _Net()
+        theirs = _shard(copy.deepcopy(base), torch_fully_shard, mesh=mesh)
+        ours = _shard(base, shardwise.fully_shard, mesh=mesh)
+        names = {p: name for name, p in ours.named_parameters()}
+        calls: dict[str, int] = {}
+        without_torch_function: list[str] = []
+
+        def hook(param: torch.Tensor) -> None:
+            calls[names[param]] = calls.get(names[param], 0) + 1
+            if not torch._C._is_torch_function_enabled():
+                without_torch_function.append(names[param])
+
+        for p in ours.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+        _train_side_by_side(ours, theirs)
+        assert calls == {name: STEPS for name in names.values()}, calls
+        assert without_torch_function == [], without_torch_function
+
     def test_chained_blocks_post_backward_on_the_input_node_train_like_torch_fsdp2(self) -> None:
         """Blocks whose input is the previous block's output: no identity Function between
         them (the first block's input comes from the root's own Linear, so it takes one),
