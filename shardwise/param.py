@@ -30,11 +30,10 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from shardwise import tensor_extension
+from shardwise import spmd_mesh, tensor_extension
 from shardwise.mesh import MeshInfo
 from shardwise.torch_names import TorchParamNames
 
@@ -120,8 +119,8 @@ class ShardedParam(TorchParamNames):
             )
         self.num_shards = mesh_info.shard_size
         self._init_shape(local, mesh_info.shard_rank)
-        self._spmd_mesh, self._placements = spmd_layout(mesh_info, self.tp_spec, shard_dim, sites[0].name)
-        self._grad_dp_dims = _dp_dims_of(mesh_info, self.tp_spec)
+        self._spmd_mesh, self._placements = spmd_mesh.spmd_layout(mesh_info, self.tp_spec, shard_dim, sites[0].name)
+        self._grad_dp_dims = spmd_mesh.grad_dp_dims(mesh_info, self.tp_spec)
         self.unsharded_param = None
         self._own_unsharded: torch.Tensor | None = None  # Shard(d != 0) only: (D0, *rest)
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # (D0, *rest) in reduce dtype, sync off
@@ -397,72 +396,6 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
-
-
-def spmd_layout(mesh_info: MeshInfo, param_spec: DTensorSpec | None, shard_dim: int, name: str):
-    """The mesh and placements of a sharded parameter.
-
-    Plain params: the data-parallel mesh, ``Shard(d)`` on the shard dim and ``Replicate()``
-    on a replicate dim. Params already DTensors (tensor parallel) keep their placements on
-    their own dims and gain the data-parallel ones: on the root mesh's (dp..., tp...) submesh
-    when TP used a separate mesh, or on their own full SPMD mesh (``dp_mesh_dims``), where
-    they must be ``Replicate()`` on the data-parallel dims. When TP already shards dim d, the
-    dp shard of the TP-local tensor is a *strided* shard of the global one (``_StridedShard``
-    with the TP split factor), so ``full_tensor()`` reassembles it exactly.
-    """
-    dp_mesh = mesh_info.mesh
-    dp_names = dp_mesh.mesh_dim_names or ()
-    if param_spec is None:
-        return dp_mesh, _dp_placements(mesh_info, Shard(shard_dim))
-    names = param_spec.mesh.mesh_dim_names or ()
-    if set(dp_names) & set(names):  # params on the full SPMD mesh
-        # Only TP dims after the dp shard dim split the tensor before the dp shard does.
-        shard_name = dp_names[mesh_info.shard_mesh_dim] if mesh_info.shard_mesh_dim is not None else None
-        after = names[names.index(shard_name) + 1 :] if shard_name in names else ()
-        tp = [
-            (n, size, pl)
-            for n, size, pl in zip(names, param_spec.mesh.shape, param_spec.placements)
-            if n in after and n not in dp_names
-        ]
-        for n, pl in zip(names, param_spec.placements):
-            if n in dp_names and not isinstance(pl, Replicate):
-                raise ValueError(
-                    f"parameter {name!r} is {pl} on data-parallel mesh dim {n!r}; with dp_mesh_dims the "
-                    "parameters must be Replicate() on the data-parallel dims"
-                )
-        dp = dict(zip(dp_names, _dp_placements(mesh_info, _dp_shard(shard_dim, tp))))
-        return param_spec.mesh, tuple(dp.get(n, pl) for n, pl in zip(names, param_spec.placements))
-    if len(dp_names) + len(names) != dp_mesh.ndim + param_spec.mesh.ndim:
-        raise ValueError(
-            f"fully_shard on tensor-parallel DTensor parameter {name!r} needs named mesh dims so the (dp, tp) "
-            f"mesh can be formed: got dp mesh {dp_mesh} and tp mesh {param_spec.mesh}; build both from one "
-            "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
-        )
-    tp = list(zip(names, param_spec.mesh.shape, param_spec.placements))
-    spmd_mesh = dp_mesh._get_root_mesh()[dp_names + names]
-    return spmd_mesh, _dp_placements(mesh_info, _dp_shard(shard_dim, tp)) + tuple(param_spec.placements)
-
-
-def _dp_dims_of(mesh_info: MeshInfo, param_spec: DTensorSpec | None) -> frozenset[int]:
-    """The dims of a DTensor param's own mesh that are data-parallel dims (params on the
-    full SPMD mesh); empty for plain params and TP params on a separate TP mesh."""
-    if param_spec is None:
-        return frozenset()
-    dp_names = set(mesh_info.mesh.mesh_dim_names or ())
-    names = param_spec.mesh.mesh_dim_names or ()
-    return frozenset(i for i, name in enumerate(names) if name in dp_names)
-
-
-def _dp_shard(shard_dim: int, tp: list[tuple]) -> Shard:
-    split = 1
-    for _, size, placement in tp:
-        if isinstance(placement, Shard) and placement.dim == shard_dim:
-            split *= size
-    return _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
-
-
-def _dp_placements(mesh_info: MeshInfo, shard: Shard) -> tuple:
-    return tuple(shard if d == mesh_info.shard_mesh_dim else Replicate() for d in range(mesh_info.mesh.ndim))
 
 
 def with_grad_access(params: typing.Sequence[ShardedParam], fn: typing.Callable[..., _T], *args: typing.Any) -> _T:
