@@ -119,7 +119,7 @@ class ShardedParam(TorchParamNames):
             )
         self.num_shards = mesh_info.shard_size
         self._init_shape(local, mesh_info.shard_rank)
-        self._spmd_mesh, self._placements = spmd_mesh.spmd_layout(mesh_info, self.tp_spec, shard_dim, sites[0].name)
+        self._spmd_mesh, self._placements = spmd_mesh.spmd_layout(mesh_info, self.tp_spec, shard_dim, self.fqn)
         self._grad_dp_dims = spmd_mesh.grad_dp_dims(mesh_info, self.tp_spec)
         self.unsharded_param = None
         self._own_unsharded: torch.Tensor | None = None  # Shard(d != 0) only: (D0, *rest)

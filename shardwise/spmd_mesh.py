@@ -53,7 +53,8 @@ def spmd_layout(mesh_info: MeshInfo, param_spec: DTensorSpec | None, shard_dim: 
 def compose(dp_mesh: DeviceMesh, own_mesh: DeviceMesh, name: str) -> DeviceMesh:
     """The mesh of ``dp_mesh``'s dims followed by ``own_mesh``'s, as one DeviceMesh.
 
-    Raises ValueError naming the parameter and both meshes when they cannot be composed.
+    Raises ValueError for a mesh without dim names, and RuntimeError (torch's type for this
+    refusal) naming the parameter and both meshes when they do not form one mesh.
     """
     unnamed = [m for m in (dp_mesh, own_mesh) if m.mesh_dim_names is None]
     if unnamed:
@@ -65,7 +66,7 @@ def compose(dp_mesh: DeviceMesh, own_mesh: DeviceMesh, name: str) -> DeviceMesh:
     try:
         return DeviceMesh._concatenate([dp_mesh, own_mesh])
     except RuntimeError as e:
-        raise ValueError(
+        raise RuntimeError(
             f"fully_shard cannot compose the mesh of DTensor parameter {name!r}: the data-parallel mesh "
             f"{dp_mesh} and the parameter's mesh {own_mesh} do not form one mesh ({e}); both must be "
             "slices (or _unflatten / _flatten results) of one root mesh, over disjoint dims"

@@ -54,12 +54,49 @@ def make_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None) -> DeviceMe
     groups), so a cached propagation result would hand back a spec on the *old* mesh and
     its destroyed groups ("Could not resolve the process group registered under the name").
     """
+    clear_dtensor_caches()
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def clear_dtensor_caches() -> None:
+    """DTensor's sharding-propagation caches, emptied before a task builds its meshes (see
+    :func:`make_mesh`)."""
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's copy
     _gen_transform_infos.cache_clear()
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def unflattened(world: DeviceMesh, dims: dict[str, int]) -> DeviceMesh:
+    """``world._unflatten`` into ``dims`` (name -> size), as torchtitan's ``ParallelDims``
+    builds each of its meshes: a dim of size 1 gets the ``fake`` backend (no process group)."""
+    fake = {name: "fake" for name, size in dims.items() if size == 1}
+    return world._unflatten(0, tuple(dims.values()), tuple(dims), backend_override=fake)
+
+
+def titan_meshes(*, dp_replicate: int = 1, dp_shard: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, pp: int = 1) -> dict:
+    """The 1-D meshes torchtitan's trainer hands its parallelisms, made its way: one 1-D
+    ``world`` mesh unflattened three times (data loading, dense params, MoE experts). The
+    root of every mesh is ``world``, which has none of these names. ``fsdp`` folds ``cp``
+    in (torchtitan's default), ``efsdp`` is the experts' data-parallel dim."""
+    clear_dtensor_caches()
+    world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("world",))
+    fsdp, batch = dp_shard * cp, dp_replicate * dp_shard
+    loading = unflattened(world, dict(pp=pp, batch=batch, cp=cp, tp=tp))
+    dense = unflattened(world, dict(pp=pp, dp_replicate=dp_replicate, fsdp=fsdp, tp=tp))
+    sparse = unflattened(world, dict(pp=pp, dp_replicate=dp_replicate, efsdp=fsdp * tp // ep, ep=ep))
+    return {
+        "world": world,
+        "pp": loading["pp"],
+        "batch": loading["batch"],
+        "tp": loading["tp"],
+        "fsdp": dense["fsdp"],
+        "dp": dense["dp_replicate", "fsdp"] if dp_replicate > 1 else dense["fsdp"],
+        "dp_replicate": dense["dp_replicate"],
+        "ep": sparse["ep"],
+        "efsdp": sparse["dp_replicate", "efsdp"] if dp_replicate > 1 else sparse["efsdp"],
+    }
 
 
 # ---------------------------------------------------------------- models
