@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 
 import torch
 
@@ -94,6 +95,7 @@ class ParamGroup(TorchGroupNames):
     _sites: tuple[tuple, ...]  # (module, name, param) for every site of every param: what a swap writes
     pending_gather: _PendingGather | None  # the all-gather in flight (unshard issued, not yet waited)
     _own_unsharded_params: tuple[ShardedParam, ...]  # Shard(d != 0): unsharded storage of their own
+    owner: "weakref.ref | None"  # the ModuleState that drives this group (weak: the state owns the group)
 
     def __init__(
         self,
@@ -119,6 +121,7 @@ class ParamGroup(TorchGroupNames):
         self.sharded_state = SHARDED
         self.post_forward = None
         self.pending_gather = None
+        self.owner = None
         self._gathered_version = -1  # the shards' version (_shard_version) when last gathered
         self._drop_unsharded_buffers()
         self._post_forward_shard = None

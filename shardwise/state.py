@@ -116,7 +116,7 @@ class IterationContext(TorchContextNames):
         engine = torch.autograd.Variable._execution_engine
         if state.is_root or state is self.iter_root:
             self.final_callback_queued = True
-            engine.queue_callback(self._final_callback)
+            engine.queue_callback(self.final_callback)
         elif not self.partial_callback_queued:
             self.partial_callback_queued = True
             engine.queue_callback(self._partial_callback)
@@ -136,7 +136,7 @@ class IterationContext(TorchContextNames):
                     group.reducer.finish()
         self.reducing.clear()
 
-    def _final_callback(self) -> None:
+    def final_callback(self) -> None:
         """End of the iteration's backward: reduce what no trigger reached (the root, whose
         inputs need no grad; modules kept unsharded or prefetched whose outputs never reached
         the loss),
@@ -191,6 +191,8 @@ class ModuleState(TorchStateNames, _State):
         super().__init__()
         self.modules = tuple(modules)
         self.groups = tuple(groups)
+        for group in self.groups:
+            group.owner = weakref.ref(self)
         self.reversed_groups = self.groups[::-1]
         self.gathers = any(g.mesh_info.shard_size > 1 for g in self.groups)
         self.mesh_info = mesh_info

@@ -92,6 +92,11 @@ HOMES: dict[str, tuple[str, ...]] = {
     "torch.distributed._composable.fsdp": _FSDP2,  # the older home (Transformers' distributed/fsdp.py)
     "torch.distributed._composable.fsdp.fully_shard": _FSDP2,
     "torch.distributed._composable.replicate_with_fsdp": ("replicate", "ReplicateModule"),
+    # torch's pipelining binds FSDP2's names at its import and tests isinstance(stage.submod,
+    # FSDPModule) at every step: switched here, it drives shardwise's stages whichever of the
+    # two was imported first, and gets torch's objects back on uninstall.
+    "torch.distributed.pipelining.stage": ("FSDPModule", "fully_shard", "replicate", "ReplicateModule"),
+    "torch.distributed.pipelining.schedules": ("FSDPModule", "UnshardHandle"),
 }
 
 # Modules that define or re-export torch's FSDP2 objects: holding them there is no sign of
