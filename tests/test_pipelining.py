@@ -151,3 +151,16 @@ def test_schedule_trains_fsdp_stages_like_torch(schedule):
 @pytest.mark.parametrize("schedule", ["ScheduleGPipe", "ScheduleInterleaved1F1B"])
 def test_schedule_trains_hsdp_stages_like_torch(schedule):
     run_on_ranks(_train, 8, schedule, dict(dp_replicate=2, dp_shard=2), timeout=TIMEOUT)
+
+
+def test_switch_rebinds_pipelinings_fsdp_names_and_restores_torchs():
+    """pipelining bound torch's names at its import (above): the switch rebinds them while on
+    and puts torch's back on uninstall."""
+    from torch.distributed.pipelining import schedules, stage
+
+    torch_names = (stage.FSDPModule, stage.fully_shard, schedules.FSDPModule, schedules.UnshardHandle)
+    with shardwise.install_as_torch_fsdp():
+        assert stage.FSDPModule is shardwise.FSDPModule and schedules.FSDPModule is shardwise.FSDPModule
+        assert stage.fully_shard is shardwise.fully_shard and schedules.UnshardHandle is shardwise.UnshardHandle
+        assert stage.replicate is shardwise.replicate and stage.ReplicateModule is shardwise.ReplicateModule
+    assert (stage.FSDPModule, stage.fully_shard, schedules.FSDPModule, schedules.UnshardHandle) == torch_names
