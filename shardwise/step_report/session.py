@@ -140,6 +140,8 @@ def report(out_dir: str | os.PathLike, **kwargs: Any) -> Report:
     Args:
         out_dir: directory for ``summary.json``, ``trace.json``, the PNG plots and ``index.html``
             (created if missing).
+
+    Keyword Args:
         meta: facts to show in the summary's header (``{"model": "small"}``).
         keep_raw: how many of the last steps keep their raw spans for the timeline and the
             trace (default 20); every step keeps its summary numbers.
