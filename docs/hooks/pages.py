@@ -27,12 +27,14 @@ def _site_links(text: str) -> str:
     def fix(m: re.Match) -> str:
         target = m.group(1)
         path, _, anchor = target.partition("#")
-        if path.startswith("docs/"):
+        if path.startswith("../docs/"):  # from bench/README.md
+            path = path[len("../docs/"):]
+        elif path.startswith("docs/"):
             path = path[len("docs/"):]
         else:
             path = ROOT_LINKS.get(path, path)
         return "](" + path + ("#" + anchor if anchor else "") + ")"
-    return re.sub(r"\]\(((?:docs/|ARCHITECTURE\.md|DEVELOPING\.md|bench/README\.md|README\.md)[^)\s]*)\)", fix, text)
+    return re.sub(r"\]\(((?:docs/|\.\./docs/|ARCHITECTURE\.md|DEVELOPING\.md|bench/README\.md|README\.md)[^)\s]*)\)", fix, text)
 
 
 def cli_help(command: str) -> str:
