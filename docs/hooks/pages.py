@@ -4,6 +4,7 @@
   with its links rewritten for the site (``docs/x.md`` -> ``x.md`` and the root's Markdown
   files -> their pages), so README.md, ARCHITECTURE.md and DEVELOPING.md are never copied by
   hand.
+- Sphinx roles in docstrings (``:class:`X```, ``:func:`~a.b```) render as plain code.
 - ``<!-- cli-help: COMMAND -->`` is replaced by ``shardwise COMMAND --help`` as a text block,
   taken from this checkout's parser (``shardwise.cli.build_parser``).
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 INCLUDE = re.compile(r"<!-- include: (\S+) -->")
+SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):(<code>)~?")
 CLI_HELP = re.compile(r"<!-- cli-help: (\S*) -->")
 # links from the root's files into the site, as the page that includes them sees them
 ROOT_LINKS = {"ARCHITECTURE.md": "architecture.md", "DEVELOPING.md": "developing.md",
@@ -54,3 +56,7 @@ def cli_help(command: str) -> str:
 def on_page_markdown(markdown: str, page, config, files) -> str:
     markdown = INCLUDE.sub(lambda m: _site_links((ROOT / m.group(1)).read_text()), markdown)
     return CLI_HELP.sub(lambda m: "```text\n" + cli_help(m.group(1)).rstrip() + "\n```", markdown)
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    return SPHINX_ROLE.sub(r"\1", html)
