@@ -164,9 +164,11 @@ def test_command_lines_match_the_parser(code):
             assert not unknown, f"`shardwise {sub}` has no {unknown} (see `shardwise {sub} --help`)"
 
 
-def test_every_subcommand_prints_help():
+def test_every_subcommand_prints_help_into_the_cli_reference():
+    page = (DOCS / "reference" / "cli.md").read_text()
     for name, parser in _subparsers().items():
         assert parser.format_help().startswith(f"usage: shardwise {name}")
+        assert f"<!-- cli-help: {name} -->" in page, f"docs/reference/cli.md lacks `shardwise {name} --help`"
 
 
 # ---------------------------------------------------------------- API reference

@@ -5,7 +5,8 @@
   files -> their pages), so README.md, ARCHITECTURE.md and DEVELOPING.md are never copied by
   hand.
 - Sphinx roles in docstrings (``:class:`X```, ``:func:`~a.b```) render as plain code.
-- ``<!-- cli-help: COMMAND -->`` is replaced by ``shardwise COMMAND --help`` as a text block,
+- ``<!-- cli-help: COMMAND -->`` is replaced by ``shardwise COMMAND --help`` (``shardwise
+  --help`` for ``<!-- cli-help: shardwise -->``) as a text block,
   taken from this checkout's parser (``shardwise.cli.build_parser``).
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 INCLUDE = re.compile(r"<!-- include: (\S+) -->")
 SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):(<code>)~?")
-CLI_HELP = re.compile(r"<!-- cli-help: (\S*) -->")
+CLI_HELP = re.compile(r"<!-- cli-help: (\S+) -->")
 # links from the root's files into the site, as the page that includes them sees them
 ROOT_LINKS = {"ARCHITECTURE.md": "architecture.md", "DEVELOPING.md": "developing.md",
               "bench/README.md": "benchmarks.md", "README.md": "index.md"}
@@ -40,14 +41,14 @@ def _site_links(text: str) -> str:
 
 
 def cli_help(command: str) -> str:
-    """``shardwise COMMAND --help`` (or ``shardwise --help`` for ""), 100 columns wide."""
+    """``shardwise COMMAND --help`` (``shardwise --help`` for "shardwise"), 100 columns wide."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     os.environ["COLUMNS"] = "100"
     from shardwise.cli import build_parser
 
     parser = build_parser()
-    if not command:
+    if command == "shardwise":
         return parser.format_help()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
     return sub.choices[command].format_help()
@@ -60,3 +61,11 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 def on_page_content(html: str, page, config, files) -> str:
     return SPHINX_ROLE.sub(r"\1", html)
+
+
+def on_post_page(output: str, page, config) -> str:
+    """A marker left in a page is a mistake (a misspelt include or command): fail the build."""
+    for marker in ("<!-- include:", "<!-- cli-help:"):
+        if marker in output:
+            raise ValueError(f"{page.file.src_path}: unexpanded {marker} ... --> marker")
+    return output
