@@ -28,12 +28,16 @@ refused at ``fully_shard`` by name (:func:`chunk_for_rank`).
 from __future__ import annotations
 
 import abc
+import dataclasses
+import functools
 import inspect
-from typing import Any, Protocol, Sequence
+import types
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from shardwise.policies import MixedPrecisionPolicy
 
@@ -112,12 +116,14 @@ PLAIN = PlainGather()
 
 
 class ExtensionGather(ParamGather):
-    """A tensor subclass with ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``."""
+    """A tensor with ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, on its type or set
+    on the instance (resolved by :func:`gather_for`: the hot path calls what was resolved,
+    with no attribute lookup)."""
 
     own_outputs = True
 
-    def __init__(self, takes_policy: bool):
-        self._takes_policy = takes_policy  # the 5-argument signature
+    def __init__(self, hooks: "_Hooks"):
+        self._hooks = hooks
         self._metadata: Any = None
         self._input_sizes: list[torch.Size] = []
         self._outputs: list[torch.Tensor] = []  # per input: (N*numel,) in its dtype, storage freed when sharded
@@ -129,17 +135,18 @@ class ExtensionGather(ParamGather):
         shard = param.sharded_param._local_tensor
         if shard.device != device:  # CPU offload: the extension sees the shard on the device, as in torch
             shard = shard.to(device, non_blocking=True)
-        pre = getattr(shard, _PRE)
-        if self._takes_policy:
+        hooks = self._hooks
+        if hooks.takes_policy:
             module = param.sites[0].module
-            inputs, self._metadata = pre(param.shard_mesh(), param.unsharded_size, param.orig_stride, module, mp_policy)
+            args = (param.shard_mesh(), param.unsharded_size, param.orig_stride, module, mp_policy)
         else:
-            inputs, self._metadata = pre(param.shard_mesh())
+            args = (param.shard_mesh(),)
+        inputs, self._metadata = hooks.pre(*args) if hooks.bound else hooks.pre(shard, *args)
         padded = param.padded_shard_size()
         if shard.size() != padded and any(t.size() != padded for t in inputs):
             raise ValueError(
                 f"parameter {param.fqn!r} is sharded unevenly (shard {tuple(shard.size())}, padded "
-                f"{tuple(padded)}): {type(shard).__name__}.{_PRE} must return all-gather inputs of the padded "
+                f"{tuple(padded)}): {hooks.owner}.{_PRE} must return all-gather inputs of the padded "
                 f"shard size {tuple(padded)} so every rank gathers the same bytes, got "
                 f"{[tuple(t.size()) for t in inputs]}"
             )
@@ -150,18 +157,18 @@ class ExtensionGather(ParamGather):
         self._param_dtype = param_dtype
         self._outputs = [torch.empty(num_shards * n, dtype=d, device=device) for n, d in zip(numels, dtypes)]
         for t in self._outputs:
-            _free_storage(t)
+            free_storage(t)
         return self._outputs
 
     def alloc(self) -> None:
         for t in self._outputs:
-            _alloc_storage(t)
+            alloc_storage(t)
 
     def free(self) -> None:
         for t in self._outputs:
-            _free_storage(t)
+            free_storage(t)
         for t in self._inner:
-            _free_storage(t)
+            free_storage(t)
 
     def reset(self) -> None:
         self._outputs, self._inner = [], []
@@ -169,24 +176,46 @@ class ExtensionGather(ParamGather):
     @torch.no_grad()
     def finish(self, param, view):
         outputs = tuple(t.view(-1, *size[1:]) for t, size in zip(self._outputs, self._input_sizes))
-        post = getattr(param.sharded_param._local_tensor, _POST)
+        hooks = self._hooks
+        post = hooks.post if hooks.bound else functools.partial(hooks.post, param.sharded_param._local_tensor)
         if param.unsharded_param is None:
             tensor, inner = post(outputs, self._metadata, self._param_dtype)
             self._inner = list(inner)
             param.set_unsharded(tensor)
         else:
             for t in self._inner:
-                _alloc_storage(t)
+                alloc_storage(t)
             post(outputs, self._metadata, self._param_dtype, out=param.unsharded_param)
         self._metadata = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Hooks:
+    """A tensor's two extension methods as resolved once: functions of the type, called
+    with the sharded local tensor of the moment (a class hook sees attributes the optimizer
+    set since, and the device copy under CPU offload), or bound methods set on the
+    instance, called as they are."""
+
+    pre: Callable
+    post: Callable
+    bound: bool  # set on the instance: ``self`` is already bound
+    takes_policy: bool  # the 5-argument fsdp_pre_all_gather
+    owner: str  # for messages: the type, or "<type> instance"
+
+
 def gather_for(tensor: torch.Tensor, where: str) -> ParamGather:
-    """The gather of a parameter whose local tensor is ``tensor``: :data:`PLAIN`, or an
-    :class:`ExtensionGather` when its type defines the extension (checked here, so a
-    half-defined one or an unknown signature fails at ``fully_shard``, naming it)."""
-    if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
-        return PLAIN
+    """The gather of a parameter whose sharded local tensor is ``tensor``: an
+    :class:`ExtensionGather` when ``tensor`` has ``fsdp_pre_all_gather`` and
+    ``fsdp_post_all_gather`` (on its type or set on the instance, as torch looks them up),
+    else :data:`PLAIN`.
+
+    Called wherever a parameter's local tensor is set or may have gained methods: at
+    ``fully_shard``, when ``module._apply`` (``to_empty``, ``.to``) or
+    ``load_state_dict(assign=True)`` gave it new data, and at lazy init (so methods set on
+    the local tensors after ``fully_shard`` / ``to_empty`` and before the first forward
+    count). Methods set or deleted later are not seen until the next of these points (torch
+    leaves that undefined): shardwise keeps calling what it resolved. A half-defined pair or
+    an unknown signature fails here, naming the parameter."""
     has_pre, has_post = hasattr(tensor, _PRE), hasattr(tensor, _POST)
     kind = type(tensor).__qualname__
     if has_pre != has_post:
@@ -203,7 +232,31 @@ def gather_for(tensor: torch.Tensor, where: str) -> ParamGather:
             f"fully_shard: parameter {where} is a {kind} whose {_PRE} takes {count} arguments; FSDP calls "
             f"{_PRE}(mesh) or {_PRE}(mesh, outer_size, outer_stride, module, mp_policy)"
         )
-    return ExtensionGather(takes_policy=count == 5)
+    return ExtensionGather(_resolve(tensor, takes_policy=count == 5))
+
+
+def _resolve(tensor: torch.Tensor, takes_policy: bool) -> _Hooks:
+    """Both methods as the type's functions when the type defines them as plain methods and
+    the instance does not shadow them; else as ``tensor``'s bound attributes."""
+    own = vars(tensor) if hasattr(tensor, "__dict__") else {}
+    static = [None if name in own else inspect.getattr_static(type(tensor), name, None) for name in (_PRE, _POST)]
+    if all(isinstance(f, types.FunctionType) for f in static):
+        return _Hooks(static[0], static[1], False, takes_policy, type(tensor).__qualname__)
+    owner = f"{type(tensor).__qualname__} instance"
+    return _Hooks(getattr(tensor, _PRE), getattr(tensor, _POST), True, takes_policy, owner)
+
+
+def carry_instance_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Give ``new`` (a re-padded copy that replaces the local tensor ``old``) the extension
+    methods set on ``old``'s instance, re-bound to ``new`` when they were bound to ``old``:
+    the methods belong to the parameter's shard, not to one tensor object of it."""
+    own = vars(old) if hasattr(old, "__dict__") else {}
+    for name in (_PRE, _POST):
+        if name in own:
+            method = own[name]
+            if isinstance(method, types.MethodType) and method.__self__ is old:
+                method = types.MethodType(method.__func__, new)
+            setattr(new, name, method)
 
 
 def chunk_for_rank(data: torch.Tensor, num_shards: int, dim: int, rank: int, where: str) -> torch.Tensor:
@@ -248,14 +301,30 @@ def new_padded(chunk: torch.Tensor, shape: torch.Size, dim: int, device: torch.d
     return padded
 
 
-def _alloc_storage(t: torch.Tensor) -> None:
-    size = t.numel() * t.element_size()
-    storage = t.untyped_storage()
-    if storage.size() != size:
-        storage.resize_(size)
+def alloc_storage(t: torch.Tensor) -> None:
+    """Give ``t`` its bytes back (after :func:`free_storage`). A wrapper subclass has no
+    storage of its own: its inner tensors (``__tensor_flatten__``) get theirs back."""
+    for inner in storage_holders(t):
+        size = inner.numel() * inner.element_size()
+        storage = inner.untyped_storage()
+        if storage.size() != size:
+            storage.resize_(size)
 
 
-def _free_storage(t: torch.Tensor) -> None:
-    storage = t.untyped_storage()
-    if storage.size() != 0:
-        storage.resize_(0)
+def free_storage(t: torch.Tensor) -> None:
+    """Free ``t``'s bytes, keeping the tensor (its metadata) for :func:`alloc_storage`;
+    through the inner tensors of a wrapper subclass, never ``resize_`` on the wrapper."""
+    for inner in storage_holders(t):
+        storage = inner.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+
+def storage_holders(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that own ``t``'s bytes: ``t`` itself, or, for a traceable wrapper
+    subclass (``__tensor_flatten__``, as torch's TwoTensor, float8, NF4), its inner
+    tensors, recursively."""
+    if type(t) is torch.Tensor or not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [leaf for name in names for leaf in storage_holders(getattr(t, name))]
