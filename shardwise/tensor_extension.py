@@ -23,13 +23,19 @@ buffer and the unsharded parameter views them (:class:`PlainGather`). Sharding k
 type either way: a shard is what ``torch.chunk`` gives and is padded with ``new_zeros``,
 ``narrow`` and ``copy_`` (ops a subclass preserves); a subclass that cannot be chunked is
 refused at ``fully_shard`` by name (:func:`chunk_for_rank`).
+
+The methods are found as torch finds them, on the sharded local tensor: its type's, or
+set on the instance (a plain tensor too). They are looked up when the local tensor is set
+(``fully_shard``, adoption after ``to_empty`` / ``.to`` / an assigning load) and at lazy
+init, and the step calls what was found (:func:`gather_for`). A wrapper subclass owns no
+storage: what the extension hands over is freed and restored through its inner tensors
+(:func:`free_storage`, ``__tensor_flatten__``), never ``resize_`` on the wrapper.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 import inspect
 import types
 from typing import Any, Callable, Protocol, Sequence
@@ -141,7 +147,8 @@ class ExtensionGather(ParamGather):
             args = (param.shard_mesh(), param.unsharded_size, param.orig_stride, module, mp_policy)
         else:
             args = (param.shard_mesh(),)
-        inputs, self._metadata = hooks.pre(*args) if hooks.bound else hooks.pre(shard, *args)
+        pre = hooks.pre if hooks.pre is not None else getattr(shard, _PRE)  # the type's: through the shard
+        inputs, self._metadata = pre(*args)
         padded = param.padded_shard_size()
         if shard.size() != padded and any(t.size() != padded for t in inputs):
             raise ValueError(
@@ -177,7 +184,7 @@ class ExtensionGather(ParamGather):
     def finish(self, param, view):
         outputs = tuple(t.view(-1, *size[1:]) for t, size in zip(self._outputs, self._input_sizes))
         hooks = self._hooks
-        post = hooks.post if hooks.bound else functools.partial(hooks.post, param.sharded_param._local_tensor)
+        post = hooks.post if hooks.post is not None else getattr(param.sharded_param._local_tensor, _POST)
         if param.unsharded_param is None:
             tensor, inner = post(outputs, self._metadata, self._param_dtype)
             self._inner = list(inner)
@@ -191,14 +198,15 @@ class ExtensionGather(ParamGather):
 
 @dataclasses.dataclass(frozen=True)
 class _Hooks:
-    """A tensor's two extension methods as resolved once: functions of the type, called
-    with the sharded local tensor of the moment (a class hook sees attributes the optimizer
-    set since, and the device copy under CPU offload), or bound methods set on the
-    instance, called as they are."""
+    """Where a tensor's two extension methods were found. On the instance: the bound
+    methods, called as they are. On the type (``pre`` / ``post`` None): called as the
+    sharded local tensor's methods at each use, as torch calls them, so the call sees the
+    shard of the moment (its device copy under CPU offload, attributes the optimizer set
+    since, such as float8's precomputed scale) and a method patched on the class (tests
+    that count calls)."""
 
-    pre: Callable
-    post: Callable
-    bound: bool  # set on the instance: ``self`` is already bound
+    pre: Callable | None  # the instance's bound fsdp_pre_all_gather, or None: the type's
+    post: Callable | None  # the instance's bound fsdp_post_all_gather, or None: the type's
     takes_policy: bool  # the 5-argument fsdp_pre_all_gather
     owner: str  # for messages: the type, or "<type> instance"
 
@@ -213,9 +221,13 @@ def gather_for(tensor: torch.Tensor, where: str) -> ParamGather:
     ``fully_shard``, when ``module._apply`` (``to_empty``, ``.to``) or
     ``load_state_dict(assign=True)`` gave it new data, and at lazy init (so methods set on
     the local tensors after ``fully_shard`` / ``to_empty`` and before the first forward
-    count). Methods set or deleted later are not seen until the next of these points (torch
-    leaves that undefined): shardwise keeps calling what it resolved. A half-defined pair or
-    an unknown signature fails here, naming the parameter."""
+    count). Whether a parameter uses the extension, and whose methods (the type's or the
+    instance's), changes only at these points; the step asks nothing. After the first
+    forward (torch leaves this undefined): a type's methods are called through the shard
+    at each use, so one replaced on the class is used from the next all-gather; methods
+    set on an instance later are not seen, and ones deleted from it keep being called,
+    until the next of these points. A half-defined pair or an unknown signature fails
+    here, naming the parameter."""
     has_pre, has_post = hasattr(tensor, _PRE), hasattr(tensor, _POST)
     kind = type(tensor).__qualname__
     if has_pre != has_post:
@@ -236,14 +248,12 @@ def gather_for(tensor: torch.Tensor, where: str) -> ParamGather:
 
 
 def _resolve(tensor: torch.Tensor, takes_policy: bool) -> _Hooks:
-    """Both methods as the type's functions when the type defines them as plain methods and
-    the instance does not shadow them; else as ``tensor``'s bound attributes."""
+    """The type's methods unless the instance sets either; then the instance's, bound."""
     own = vars(tensor) if hasattr(tensor, "__dict__") else {}
-    static = [None if name in own else inspect.getattr_static(type(tensor), name, None) for name in (_PRE, _POST)]
-    if all(isinstance(f, types.FunctionType) for f in static):
-        return _Hooks(static[0], static[1], False, takes_policy, type(tensor).__qualname__)
+    if _PRE not in own and _POST not in own:
+        return _Hooks(None, None, takes_policy, type(tensor).__qualname__)
     owner = f"{type(tensor).__qualname__} instance"
-    return _Hooks(getattr(tensor, _PRE), getattr(tensor, _POST), True, takes_policy, owner)
+    return _Hooks(getattr(tensor, _PRE), getattr(tensor, _POST), takes_policy, owner)
 
 
 def carry_instance_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
