@@ -27,7 +27,7 @@ refused at ``fully_shard`` by name (:func:`chunk_for_rank`).
 The methods are found as torch finds them, on the sharded local tensor: its type's, or
 set on the instance (a plain tensor too). They are looked up when the local tensor is set
 (``fully_shard``, adoption after ``to_empty`` / ``.to`` / an assigning load) and at lazy
-init, and the step calls what was found (:func:`gather_for`). A wrapper subclass owns no
+init (:func:`gather_for`); the step calls what was found. A wrapper subclass owns no
 storage: what the extension hands over is freed and restored through its inner tensors
 (:func:`free_storage`, ``__tensor_flatten__``), never ``resize_`` on the wrapper.
 """
@@ -123,8 +123,8 @@ PLAIN = PlainGather()
 
 class ExtensionGather(ParamGather):
     """A tensor with ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, on its type or set
-    on the instance (resolved by :func:`gather_for`: the hot path calls what was resolved,
-    with no attribute lookup)."""
+    on the instance (resolved by :func:`gather_for`; the step asks no ``hasattr``: it calls
+    the instance's bound methods, or the type's through the shard, see :class:`_Hooks`)."""
 
     own_outputs = True
 
