@@ -409,3 +409,16 @@ def test_wrapper_storage_is_freed_through_its_inner_tensors():
     assert pair.a.untyped_storage().size() == 16 and pair.b.untyped_storage().size() == 16
     mixed = Mixed(torch.ones(4))
     assert [t.dtype for t in tensor_extension.storage_holders(mixed)] == [torch.float32, BF16]
+
+
+def _half_set_on_an_instance() -> None:
+    model = _shard(_blocks(("plain", "plain")), SHARDWISE)
+    local = model[0][0].weight._local_tensor
+    local.fsdp_pre_all_gather = _bf16_pre([], False).__get__(local)  # no fsdp_post_all_gather
+    with pytest.raises(TypeError, match=r"parameter '0\.0\.weight' of Linear .*fsdp_post_all_gather"):
+        model(torch.randn(2, 8))
+
+
+def test_half_an_extension_set_on_an_instance_is_refused_by_name():
+    """Found at lazy init (the first forward), named, before any collective."""
+    run_on_ranks(_half_set_on_an_instance, 2, timeout=TIMEOUT)
