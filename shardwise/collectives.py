@@ -116,8 +116,11 @@ def pack_for_reduce(chunked_grads: list[torch.Tensor], num_shards: int, dtype: t
     Each gradient is split like ``torch.chunk`` along dim 0 and padded to ``ceil(D0/N)``
     rows, matching the shard layout of param.py; the copy casts to ``dtype`` on the way.
     """
-    if chunked_grads[0].dtype == dtype:
+    first = chunked_grads[0]
+    if first.dtype == dtype and type(first) is torch.Tensor:
         return torch._chunk_cat(chunked_grads, dim=0, num_chunks=num_shards)  # (N, Pg)
+    # Another dtype, or a subclass's gradient (a wrapper such as TwoTensor has no storage of
+    # its own to reduce or free): into a plain buffer, as torch's FSDP2 packs every gradient.
     width = sum(_padded_chunk_numel(g, num_shards) for g in chunked_grads)
     packed = torch.empty(num_shards, width, dtype=dtype, device=chunked_grads[0].device)
     return torch._chunk_cat(chunked_grads, dim=0, num_chunks=num_shards, out=packed)

@@ -247,6 +247,20 @@ class ParamGroup(TorchGroupNames):
         if self.registered_params_replaced():
             self.reset_sharded_params()
 
+    def resolve_gathers(self) -> None:
+        """At lazy init: choose each param's gather from its sharded local tensor as it is
+        now, so extension methods set on the local tensors after ``fully_shard`` (or after
+        ``to_empty``) and before the first forward are used, as torch's lazy init does; lay
+        out again when a gather changed. Replaced params wait for their adoption, which
+        resolves them the same way."""
+        if self._params_replaced:
+            return
+        changed = [p.resolve_gather() for p in self.params]  # every param: no short-circuit
+        if any(changed):
+            self.reshard()
+            self._drop_unsharded_buffers()
+            self._lay_out()
+
     @property
     def is_unsharded(self) -> bool:
         return self.sharded_state == UNSHARDED

@@ -186,6 +186,7 @@ class ShardedParam(TorchParamNames):
         # offloaded param's local tensor must stay the (pinned host) padded shard itself.
         dtensor = DTensor(self._real_rows(), self._sharded_spec(chunk.dtype), requires_grad=False)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=self.requires_grad)
+        self.resolve_gather()
         self._refresh_spec()
         self.register_sharded()
 
@@ -211,16 +212,40 @@ class ShardedParam(TorchParamNames):
         """
         self.check_adoptable(param)
         local = param._local_tensor
-        self.gather = tensor_extension.gather_for(local, self._where())
-        if self._owns_padded_storage(local, device, pin_memory):
-            padded = local.new_empty(0).set_(local.untyped_storage(), 0, self._padded_shape)
+        if self._is_padded_shard(local, device, pin_memory):  # kept: the same object, as torch keeps it
+            self.padded_shard = local
         else:
-            padded = self._new_padded_shard(local, device, pin_memory)
-        self.padded_shard = padded
+            if self._owns_padded_storage(local, device, pin_memory):
+                padded = local.new_empty(0).set_(local.untyped_storage(), 0, self._padded_shape)
+            else:
+                padded = self._new_padded_shard(local, device, pin_memory)
+            self.padded_shard = padded
+            param._local_tensor = self._real_rows()
+            tensor_extension.carry_instance_hooks(local, param._local_tensor)
         self.sharded_param = param
-        param._local_tensor = self._real_rows()
+        self.resolve_gather()
         self._refresh_spec()
         self.register_sharded()
+
+    def resolve_gather(self) -> bool:
+        """Choose the gather from the sharded local tensor as it is now (its type's or its
+        instance's extension methods, :func:`tensor_extension.gather_for`). Returns whether
+        the group must lay out again: an extension gather before or after (a new one owns no
+        outputs yet), the plain one both times being the one case that changes nothing."""
+        was = self.gather.own_outputs
+        self.gather = tensor_extension.gather_for(self.sharded_param._local_tensor, self._where())
+        return was or self.gather.own_outputs
+
+    def _is_padded_shard(self, local: torch.Tensor, device: torch.device, pin_memory: bool) -> bool:
+        """Whether ``local`` can stay the local tensor and be the padded shard itself: no
+        padding rows, on ``device`` (pinned when asked), contiguous, and for a plain tensor
+        the sole user of its storage from offset 0 (a wrapper subclass's bytes are its inner
+        tensors')."""
+        if local.is_meta or local.size() != self._padded_shape or not local.is_contiguous():
+            return False
+        if type(local) is torch.Tensor:
+            return self._owns_padded_storage(local, device, pin_memory)
+        return local.device == device and (not pin_memory or local.is_pinned())
 
     def _owns_padded_storage(self, local: torch.Tensor, device: torch.device, pin_memory: bool) -> bool:
         if local.is_meta or type(local) is not torch.Tensor:  # a subclass is padded again, as torch does

@@ -266,6 +266,7 @@ class ModuleState(TorchStateNames, _State):
             state._resolve_reshard_after_forward()
             for group in state.groups:
                 group.adopt_if_replaced()
+                group.resolve_gathers()
         init_checks.check_no_param_in_two_groups(states)
         init_checks.check_ranks_agree(states)
         logger.debug("shardwise lazy init: root %s with %d states", self, len(states))

@@ -23,17 +23,27 @@ buffer and the unsharded parameter views them (:class:`PlainGather`). Sharding k
 type either way: a shard is what ``torch.chunk`` gives and is padded with ``new_zeros``,
 ``narrow`` and ``copy_`` (ops a subclass preserves); a subclass that cannot be chunked is
 refused at ``fully_shard`` by name (:func:`chunk_for_rank`).
+
+The methods are found as torch finds them, on the sharded local tensor: its type's, or
+set on the instance (a plain tensor too). They are looked up when the local tensor is set
+(``fully_shard``, adoption after ``to_empty`` / ``.to`` / an assigning load) and at lazy
+init (:func:`gather_for`); the step calls what was found. A wrapper subclass owns no
+storage: what the extension hands over is freed and restored through its inner tensors
+(:func:`free_storage`, ``__tensor_flatten__``), never ``resize_`` on the wrapper.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import inspect
-from typing import Any, Protocol, Sequence
+import types
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from shardwise.policies import MixedPrecisionPolicy
 
@@ -112,12 +122,14 @@ PLAIN = PlainGather()
 
 
 class ExtensionGather(ParamGather):
-    """A tensor subclass with ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``."""
+    """A tensor with ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, on its type or set
+    on the instance (resolved by :func:`gather_for`; the step asks no ``hasattr``: it calls
+    the instance's bound methods, or the type's through the shard, see :class:`_Hooks`)."""
 
     own_outputs = True
 
-    def __init__(self, takes_policy: bool):
-        self._takes_policy = takes_policy  # the 5-argument signature
+    def __init__(self, hooks: "_Hooks"):
+        self._hooks = hooks
         self._metadata: Any = None
         self._input_sizes: list[torch.Size] = []
         self._outputs: list[torch.Tensor] = []  # per input: (N*numel,) in its dtype, storage freed when sharded
@@ -129,17 +141,19 @@ class ExtensionGather(ParamGather):
         shard = param.sharded_param._local_tensor
         if shard.device != device:  # CPU offload: the extension sees the shard on the device, as in torch
             shard = shard.to(device, non_blocking=True)
-        pre = getattr(shard, _PRE)
-        if self._takes_policy:
+        hooks = self._hooks
+        if hooks.takes_policy:
             module = param.sites[0].module
-            inputs, self._metadata = pre(param.shard_mesh(), param.unsharded_size, param.orig_stride, module, mp_policy)
+            args = (param.shard_mesh(), param.unsharded_size, param.orig_stride, module, mp_policy)
         else:
-            inputs, self._metadata = pre(param.shard_mesh())
+            args = (param.shard_mesh(),)
+        pre = hooks.pre if hooks.pre is not None else getattr(shard, _PRE)  # the type's: through the shard
+        inputs, self._metadata = pre(*args)
         padded = param.padded_shard_size()
         if shard.size() != padded and any(t.size() != padded for t in inputs):
             raise ValueError(
                 f"parameter {param.fqn!r} is sharded unevenly (shard {tuple(shard.size())}, padded "
-                f"{tuple(padded)}): {type(shard).__name__}.{_PRE} must return all-gather inputs of the padded "
+                f"{tuple(padded)}): {hooks.owner}.{_PRE} must return all-gather inputs of the padded "
                 f"shard size {tuple(padded)} so every rank gathers the same bytes, got "
                 f"{[tuple(t.size()) for t in inputs]}"
             )
@@ -150,18 +164,18 @@ class ExtensionGather(ParamGather):
         self._param_dtype = param_dtype
         self._outputs = [torch.empty(num_shards * n, dtype=d, device=device) for n, d in zip(numels, dtypes)]
         for t in self._outputs:
-            _free_storage(t)
+            free_storage(t)
         return self._outputs
 
     def alloc(self) -> None:
         for t in self._outputs:
-            _alloc_storage(t)
+            alloc_storage(t)
 
     def free(self) -> None:
         for t in self._outputs:
-            _free_storage(t)
+            free_storage(t)
         for t in self._inner:
-            _free_storage(t)
+            free_storage(t)
 
     def reset(self) -> None:
         self._outputs, self._inner = [], []
@@ -169,24 +183,51 @@ class ExtensionGather(ParamGather):
     @torch.no_grad()
     def finish(self, param, view):
         outputs = tuple(t.view(-1, *size[1:]) for t, size in zip(self._outputs, self._input_sizes))
-        post = getattr(param.sharded_param._local_tensor, _POST)
+        hooks = self._hooks
+        post = hooks.post if hooks.post is not None else getattr(param.sharded_param._local_tensor, _POST)
         if param.unsharded_param is None:
             tensor, inner = post(outputs, self._metadata, self._param_dtype)
             self._inner = list(inner)
             param.set_unsharded(tensor)
         else:
             for t in self._inner:
-                _alloc_storage(t)
+                alloc_storage(t)
             post(outputs, self._metadata, self._param_dtype, out=param.unsharded_param)
         self._metadata = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Hooks:
+    """Where a tensor's two extension methods were found. On the instance: the bound
+    methods, called as they are. On the type (``pre`` / ``post`` None): called as the
+    sharded local tensor's methods at each use, as torch calls them, so the call sees the
+    shard of the moment (its device copy under CPU offload, attributes the optimizer set
+    since, such as float8's precomputed scale) and a method patched on the class (tests
+    that count calls)."""
+
+    pre: Callable | None  # the instance's bound fsdp_pre_all_gather, or None: the type's
+    post: Callable | None  # the instance's bound fsdp_post_all_gather, or None: the type's
+    takes_policy: bool  # the 5-argument fsdp_pre_all_gather
+    owner: str  # for messages: the type, or "<type> instance"
+
+
 def gather_for(tensor: torch.Tensor, where: str) -> ParamGather:
-    """The gather of a parameter whose local tensor is ``tensor``: :data:`PLAIN`, or an
-    :class:`ExtensionGather` when its type defines the extension (checked here, so a
-    half-defined one or an unknown signature fails at ``fully_shard``, naming it)."""
-    if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
-        return PLAIN
+    """The gather of a parameter whose sharded local tensor is ``tensor``: an
+    :class:`ExtensionGather` when ``tensor`` has ``fsdp_pre_all_gather`` and
+    ``fsdp_post_all_gather`` (on its type or set on the instance, as torch looks them up),
+    else :data:`PLAIN`.
+
+    Called wherever a parameter's local tensor is set or may have gained methods: at
+    ``fully_shard``, when ``module._apply`` (``to_empty``, ``.to``) or
+    ``load_state_dict(assign=True)`` gave it new data, and at lazy init (so methods set on
+    the local tensors after ``fully_shard`` / ``to_empty`` and before the first forward
+    count). Whether a parameter uses the extension, and whose methods (the type's or the
+    instance's), changes only at these points; the step asks nothing. After the first
+    forward (torch leaves this undefined): a type's methods are called through the shard
+    at each use, so one replaced on the class is used from the next all-gather; methods
+    set on an instance later are not seen, and ones deleted from it keep being called,
+    until the next of these points. A half-defined pair or an unknown signature fails
+    here, naming the parameter."""
     has_pre, has_post = hasattr(tensor, _PRE), hasattr(tensor, _POST)
     kind = type(tensor).__qualname__
     if has_pre != has_post:
@@ -203,7 +244,29 @@ def gather_for(tensor: torch.Tensor, where: str) -> ParamGather:
             f"fully_shard: parameter {where} is a {kind} whose {_PRE} takes {count} arguments; FSDP calls "
             f"{_PRE}(mesh) or {_PRE}(mesh, outer_size, outer_stride, module, mp_policy)"
         )
-    return ExtensionGather(takes_policy=count == 5)
+    return ExtensionGather(_resolve(tensor, takes_policy=count == 5))
+
+
+def _resolve(tensor: torch.Tensor, takes_policy: bool) -> _Hooks:
+    """The type's methods unless the instance sets either; then the instance's, bound."""
+    own = vars(tensor) if hasattr(tensor, "__dict__") else {}
+    if _PRE not in own and _POST not in own:
+        return _Hooks(None, None, takes_policy, type(tensor).__qualname__)
+    owner = f"{type(tensor).__qualname__} instance"
+    return _Hooks(getattr(tensor, _PRE), getattr(tensor, _POST), takes_policy, owner)
+
+
+def carry_instance_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Give ``new`` (a re-padded copy that replaces the local tensor ``old``) the extension
+    methods set on ``old``'s instance, re-bound to ``new`` when they were bound to ``old``:
+    the methods belong to the parameter's shard, not to one tensor object of it."""
+    own = vars(old) if hasattr(old, "__dict__") else {}
+    for name in (_PRE, _POST):
+        if name in own:
+            method = own[name]
+            if isinstance(method, types.MethodType) and method.__self__ is old:
+                method = types.MethodType(method.__func__, new)
+            setattr(new, name, method)
 
 
 def chunk_for_rank(data: torch.Tensor, num_shards: int, dim: int, rank: int, where: str) -> torch.Tensor:
@@ -248,14 +311,30 @@ def new_padded(chunk: torch.Tensor, shape: torch.Size, dim: int, device: torch.d
     return padded
 
 
-def _alloc_storage(t: torch.Tensor) -> None:
-    size = t.numel() * t.element_size()
-    storage = t.untyped_storage()
-    if storage.size() != size:
-        storage.resize_(size)
+def alloc_storage(t: torch.Tensor) -> None:
+    """Give ``t`` its bytes back (after :func:`free_storage`). A wrapper subclass has no
+    storage of its own: its inner tensors (``__tensor_flatten__``) get theirs back."""
+    for inner in storage_holders(t):
+        size = inner.numel() * inner.element_size()
+        storage = inner.untyped_storage()
+        if storage.size() != size:
+            storage.resize_(size)
 
 
-def _free_storage(t: torch.Tensor) -> None:
-    storage = t.untyped_storage()
-    if storage.size() != 0:
-        storage.resize_(0)
+def free_storage(t: torch.Tensor) -> None:
+    """Free ``t``'s bytes, keeping the tensor (its metadata) for :func:`alloc_storage`;
+    through the inner tensors of a wrapper subclass, never ``resize_`` on the wrapper."""
+    for inner in storage_holders(t):
+        storage = inner.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+
+def storage_holders(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that own ``t``'s bytes: ``t`` itself, or, for a traceable wrapper
+    subclass (``__tensor_flatten__``, as torch's TwoTensor, float8, NF4), its inner
+    tensors, recursively."""
+    if type(t) is torch.Tensor or not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [leaf for name in names for leaf in storage_holders(getattr(t, name))]

@@ -335,6 +335,26 @@ def _assert_close(pairs: list, rtol: float | None, atol: float | None) -> None:
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, what=what: f"{what}: {m}")
 
 
+def same_as_torch(where: str, ours: nn.Module, theirs: nn.Module, mesh_of: Callable | None = None) -> None:
+    """Every param's and grad's placements, mesh and local tensor are torch's, bit for bit;
+    with ``mesh_of(name)``, also the mesh that name must be on (None: any)."""
+    mine, torch_params = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert mine.keys() == torch_params.keys(), f"{where}: {sorted(mine)} vs torch {sorted(torch_params)}"
+    for name, p in mine.items():
+        q = torch_params[name]
+        for kind, a, b in (("param", p.detach(), q.detach()), ("grad", p.grad, q.grad)):
+            assert (a is None) == (b is None), f"{where}: {kind} {name}: ours {a is not None}, torch {b is not None}"
+            if a is None:
+                continue
+            assert isinstance(a, DTensor), f"{where}: {kind} {name} is a {type(a).__name__}"
+            assert a.placements == b.placements, f"{where}: {kind} {name}: {a.placements} vs torch {b.placements}"
+            assert a.device_mesh == b.device_mesh, f"{where}: {kind} {name}: {a.device_mesh} vs torch {b.device_mesh}"
+            want = mesh_of(name) if mesh_of is not None else None
+            assert want is None or a.device_mesh == want, f"{where}: {kind} {name} on {a.device_mesh}, not {want}"
+            assert torch.equal(a.to_local(), b.to_local()), f"{where}: {kind} {name} differs from torch's (rank {dist.get_rank()})"
+
+
+
 # ---------------------------------------------------------------- training
 
 

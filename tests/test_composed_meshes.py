@@ -40,6 +40,7 @@ from _nd_helpers import (
     generator,
     lm_loss,
     parallelize,
+    same_as_torch,
     tally,
     titan_meshes,
     token_batches,
@@ -51,22 +52,6 @@ STEPS = 3
 DIMS = dict(vocab_size=16, dim=8, n_layers=2, n_heads=2, hidden=10, max_seq_len=8)
 
 # ---------------------------------------------------------------- checks (run on the ranks)
-
-
-def same_as_torch(where: str, ours: nn.Module, theirs: nn.Module) -> None:
-    """Every param's and grad's placements, mesh and local tensor are torch's, bit for bit."""
-    mine, torch_params = dict(ours.named_parameters()), dict(theirs.named_parameters())
-    assert mine.keys() == torch_params.keys(), f"{where}: {sorted(mine)} vs torch {sorted(torch_params)}"
-    for name, p in mine.items():
-        q = torch_params[name]
-        for kind, a, b in (("param", p.detach(), q.detach()), ("grad", p.grad, q.grad)):
-            assert (a is None) == (b is None), f"{where}: {kind} {name}: ours {a is not None}, torch {b is not None}"
-            if a is None:
-                continue
-            assert isinstance(a, DTensor), f"{where}: {kind} {name} is a {type(a).__name__}"
-            assert a.placements == b.placements, f"{where}: {kind} {name}: {a.placements} vs torch {b.placements}"
-            assert a.device_mesh == b.device_mesh, f"{where}: {kind} {name}: {a.device_mesh} vs torch {b.device_mesh}"
-            assert torch.equal(a.to_local(), b.to_local()), f"{where}: {kind} {name} differs from torch's (rank {dist.get_rank()})"
 
 
 def same_collectives(counts: dict) -> None:
@@ -261,17 +246,7 @@ def _from_group_mesh() -> list[float]:
             if rank in ranks.tolist():
                 groups[name] = group
     mesh = DeviceMesh.from_group([groups["dp"], groups["tp"]], "cpu", mesh=grid, mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    base = TPTransformer(**DIMS)
-    ours, theirs = (
-        _shard_blocks(parallelize(copy.deepcopy(base), mesh["tp"]), fn, mesh["dp"]) for fn in (shardwise.fully_shard, torch_fully_shard)
-    )
-    same_as_torch("after fully_shard", ours, theirs)
-    batch = token_batches(generator(mesh.get_local_rank("dp")), DIMS["vocab_size"], 1)[0]
-    for model in (ours, theirs):
-        lm_loss(model, batch).backward()
-    same_as_torch("after backward", ours, theirs)
-    return [1.0]
+    return _one_backward_like_torch(mesh["dp"], mesh["tp"])
 
 
 def test_dp_and_tp_slices_of_a_from_group_mesh_match_torch():
@@ -281,11 +256,16 @@ def test_dp_and_tp_slices_of_a_from_group_mesh_match_torch():
 def _flattened_dp_mesh() -> list[float]:
     """HSDP's two dims ``_flatten``ed into one FSDP dim, next to TP (8 ranks)."""
     meshes = titan_meshes(dp_replicate=2, dp_shard=2, tp=2)
-    dp_mesh = meshes["dp"]._flatten("dp_shard_flat")
+    return _one_backward_like_torch(meshes["dp"]._flatten("dp_shard_flat"), meshes["tp"])
+
+
+def _one_backward_like_torch(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> list[float]:
+    """TP on ``tp_mesh``, then fully_shard on ``dp_mesh``: the layout after fully_shard and the
+    grads of one backward are torch's."""
     torch.manual_seed(0)
     base = TPTransformer(**DIMS)
     ours, theirs = (
-        _shard_blocks(parallelize(copy.deepcopy(base), meshes["tp"]), fn, dp_mesh) for fn in (shardwise.fully_shard, torch_fully_shard)
+        _shard_blocks(parallelize(copy.deepcopy(base), tp_mesh), fn, dp_mesh) for fn in (shardwise.fully_shard, torch_fully_shard)
     )
     same_as_torch("after fully_shard", ours, theirs)
     batch = token_batches(generator(data_rank(dp_mesh)), DIMS["vocab_size"], 1)[0]

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import shardwise
 from _models import Transformer
-from _nd_helpers import TIMEOUT, generator, lm_loss, make_mesh, tally, token_batches
+from _nd_helpers import TIMEOUT, generator, lm_loss, make_mesh, same_as_torch, tally, token_batches
 from shardwise.state import get_state
 from shardwise.testing import CommCounter, run_on_ranks
 
@@ -94,22 +94,8 @@ def _same(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _check_like_torch(where: str, ours: nn.Module, theirs: nn.Module, expert_mesh) -> None:
-    """Placements, meshes and local tensors of every param and grad equal torch's."""
-    mine, torch_params = dict(ours.named_parameters()), dict(theirs.named_parameters())
-    assert mine.keys() == torch_params.keys(), f"{where}: {sorted(mine)} vs {sorted(torch_params)}"
-    for name, p in mine.items():
-        q = torch_params[name]
-        want_mesh = expert_mesh if _is_expert(name) else None
-        for kind, a, b in (("param", p.detach(), q.detach()), ("grad", p.grad, q.grad)):
-            assert (a is None) == (b is None), f"{where}: {kind} {name}: ours {a is not None}, torch {b is not None}"
-            if a is None:
-                continue
-            assert isinstance(a, DTensor), f"{where}: {kind} {name} is a {type(a).__name__}"
-            assert a.placements == b.placements, f"{where}: {kind} {name}: {a.placements} vs torch {b.placements}"
-            assert a.device_mesh == b.device_mesh, f"{where}: {kind} {name}: {a.device_mesh} vs torch {b.device_mesh}"
-            if want_mesh is not None:
-                assert a.device_mesh == want_mesh, f"{where}: {kind} {name} on {a.device_mesh}, not {want_mesh}"
-            _same(f"{where}: {kind} {name} (to_local)", a.to_local(), b.to_local())
+    """Placements, meshes and local tensors of every param and grad equal torch's; experts on ``expert_mesh``."""
+    same_as_torch(where, ours, theirs, mesh_of=lambda name: expert_mesh if _is_expert(name) else None)
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, batches: list, before=None) -> tuple[torch.Tensor, list, list]:

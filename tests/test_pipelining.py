@@ -27,9 +27,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 import shardwise
-from _nd_helpers import TIMEOUT, tally, titan_meshes
+from _nd_helpers import TIMEOUT, same_as_torch, tally, titan_meshes
 from shardwise.testing import CommCounter, run_on_ranks
-from test_composed_meshes import same_as_torch
 
 DIM = 8
 BLOCKS_PER_STAGE = 2
