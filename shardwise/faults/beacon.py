@@ -158,13 +158,16 @@ _BEACONS: dict[int, Beacon] = {}  # global rank -> its beacon (ranks may be thre
 
 
 @atexit.register
-def stop_all() -> None:
+def stop_all() -> list[threading.Thread]:
     """Join every beacon thread before the interpreter tears down: a daemon thread still
     inside a c10d store call (the GIL released) while the store is destroyed under it ends
-    the process in ``std::terminate`` ("terminate called without an active exception")."""
-    for beacon in list(_BEACONS.values()):
-        beacon.stop(join_timeout=beacon.interval + 5.0)
+    the process in ``std::terminate`` ("terminate called without an active exception").
+    Returns the threads that did not leave in time (each inside a store call)."""
+    beacons = list(_BEACONS.values())
     _BEACONS.clear()
+    for beacon in beacons:
+        beacon.stop(join_timeout=beacon.interval + 5.0)
+    return [b._thread for b in beacons if b._thread.is_alive() and b._thread is not threading.current_thread()]
 
 
 def beacon_for(interval: float) -> Beacon:
