@@ -1,9 +1,8 @@
 """A job that ends is a job that exits cleanly.
 
 - When ``shardwise train`` ends, no shardwise thread is left (beacon, poller, the watchdog's
-  waiter) and the process groups' objects are gone, their gloo worker threads joined, before
-  the interpreter finalises: a thread that returns from a native call into a finalising
-  interpreter dies in ``std::terminate`` (SIGABRT after a run that trained every step).
+  waiter) before the interpreter finalises: a thread that returns from a native call into a
+  finalising interpreter dies in ``std::terminate`` (SIGABRT after a run that trained every step).
 - SIGTERM to ``shardwise train`` stops every rank after the same step, writes that step's
   checkpoint (``--checkpoint-dir``), and the job exits with 143 (128 + SIGTERM), with no
   native crash.
@@ -14,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,7 +53,7 @@ def _run_job(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
     return returncode, log.read_text(errors="replace")
 
 
-def test_job_end_leaves_no_shardwise_thread_and_no_process_group(tmp_path):
+def test_job_end_leaves_no_shardwise_thread(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(REPO_ROOT / "tests" / "_clean_exit_child.py")]
     returncode, output = _run_job(cmd, tmp_path, TIMEOUT)
@@ -62,7 +62,35 @@ def test_job_end_leaves_no_shardwise_thread_and_no_process_group(tmp_path):
     reports = [json.loads(line.split("CLEAN-EXIT ", 1)[1]) for line in output.splitlines() if "CLEAN-EXIT " in line]
     assert sorted(r["rank"] for r in reports) == [0, 1], output[-4000:]
     for report in reports:
-        assert report == {"rank": report["rank"], "threads": [], "group_alive": False}, report
+        assert report["threads"] == [], report
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_waiter_inside_a_collective_is_joined_before_the_interpreter_finalises(tmp_path):
+    """tests/_waiter_exit.py: rank 1 leaves on an error while the watchdog's waiter is inside
+    the collective's wait(), which returns (rank 0 joins late) while rank 1 finalises."""
+    port, procs, logs = _free_port(), [], []
+    try:
+        for rank in (0, 1):
+            logs.append((tmp_path / f"rank{rank}.log").open("w"))
+            procs.append(subprocess.Popen([sys.executable, str(REPO_ROOT / "tests" / "_waiter_exit.py"), str(rank), str(port)],
+                                          cwd=tmp_path, env=_env(), stdout=logs[-1], stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        codes = [proc.wait(timeout=TIMEOUT / 2) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_job(proc)
+        for log in logs:
+            log.close()
+    outputs = [(tmp_path / f"rank{rank}.log").read_text(errors="replace") for rank in (0, 1)]
+    assert codes == [0, 1], f"exit codes {codes}:\n" + "\n".join(o[-3000:] for o in outputs)
+    assert "rank 1 leaves its watched all-reduce" in outputs[1], outputs[1][-3000:]
+    _no_native_crash(outputs[1])
 
 
 def _wait_for_steps(metrics: Path, proc: subprocess.Popen, steps: int, timeout: float) -> int:

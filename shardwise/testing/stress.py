@@ -11,6 +11,7 @@ harness already reports a dead rank's exit code and the stacks of its threads)::
 
     ./dev stress --runs 20 tests/test_state_dict.py tests/test_checkpoint.py
     ./dev stress --runs 50 --until-failure tests/test_faults.py -k digest
+    ./dev stress --runs 20 --keep-order tests/test_parity.py tests/test_compile.py   # an order's failure
 
 ``./dev stress --cli --runs N`` launches ``shardwise train`` itself N times instead
 (:mod:`~shardwise.testing.launch_stress`): how the job ends, not how a test does.
@@ -45,9 +46,11 @@ def _collect(pytest_args: list[str]) -> list[str]:
     return ids
 
 
-def _run_once(run: int, ids: list[str], extra: list[str], log_dir: Path, seed: int) -> tuple[bool, str, Path]:
+def _run_once(run: int, ids: list[str], extra: list[str], log_dir: Path, seed: int,
+              shuffle: bool = True) -> tuple[bool, str, Path]:
     order = list(ids)
-    random.Random(seed).shuffle(order)
+    if shuffle:
+        random.Random(seed).shuffle(order)
     env = loud_crash_env(seed)
     log = log_dir / f"run{run:03d}-seed{seed}.log"
     start = time.monotonic()
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--until-failure", action="store_true", help="stop at the first failed run")
     parser.add_argument("--seed", type=int, default=None, help="first run's seed (default: from the clock)")
     parser.add_argument("--log-dir", default=None, help="where each run's output goes (default: a new temp dir)")
+    parser.add_argument("--keep-order", action="store_true",
+                        help="run the tests in the order given, every run (an order-dependent failure)")
     args, pytest_args = parser.parse_known_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -105,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else Path(_tempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
     base = args.seed if args.seed is not None else int(time.time()) % 100_000
-    print(f"stress: {len(ids)} tests x {args.runs} runs, shuffled, MALLOC_CHECK_=3; logs in {log_dir}", flush=True)
+    order = "in the order given" if args.keep_order else "shuffled"
+    print(f"stress: {len(ids)} tests x {args.runs} runs, {order}, MALLOC_CHECK_=3; logs in {log_dir}", flush=True)
     failed = []
     for run in range(1, args.runs + 1):
-        ok, line, log = _run_once(run, ids, extra, log_dir, base + run)
+        ok, line, log = _run_once(run, ids, extra, log_dir, base + run, shuffle=not args.keep_order)
         print(line, flush=True)
         if not ok:
             failed.append(log)

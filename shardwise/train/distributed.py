@@ -221,10 +221,9 @@ def teardown(env: DistEnv, wait_for_peers: bool = True) -> list[threading.Thread
        :func:`shardwise.faults.monitor.shutdown`), before any c10d object goes;
     3. a plain barrier keeps every rank until all have stopped theirs (no beacon may be in
        a store call when the store's host exits);
-    4. the process groups are destroyed, and :func:`release_process_groups` makes their
-       C++ objects go *now*: the sharded modules hold them in reference cycles, which
-       otherwise live until the interpreter's last collection, where gloo's worker threads
-       are joined while they may still have to take the GIL to release a work's tensors.
+    4. the process groups are destroyed, and :func:`release_process_groups` frees the
+       dropped sharded model now (its states hold the groups and its tensors in reference
+       cycles), not in the interpreter's last collection.
 
     ``setup`` has no barrier of its own: the rendezvous in ``init_process_group`` and
     ``init_device_mesh`` is torch's (bounded by the process group's timeout).
@@ -249,9 +248,8 @@ STUCK_JOIN_S = 5.0
 
 
 def release_process_groups() -> None:
-    """Collect the garbage that still holds destroyed process groups (a dropped sharded
-    model: module -> state -> its modules), so that each group's C++ object is destroyed
-    here, its worker threads joined while the interpreter can still give them the GIL."""
+    """Collect the garbage that still holds destroyed process groups and tensors (a dropped
+    sharded model: module -> state -> its modules) while the interpreter is fully alive."""
     gc.collect()
 
 
