@@ -28,11 +28,14 @@ import contextlib
 import copy
 import gc
 import inspect
+import time
+import weakref
 from unittest import mock
 
 import pytest
 import torch
 import torch._dynamo
+import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -415,3 +418,79 @@ def test_registered_hooks_skip_the_disable_wrapper_in_eager_mode(monkeypatch):
     finally:
         torch._dynamo.reset()
     assert entered == ["hook"], entered
+
+
+class _Dead:
+    """Stands for a dropped sharded module: in a reference cycle, freed only by a GC pass."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+_REGISTRY: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()  # as torch's module-state registry
+_LIVE = _Dead()
+
+
+class _CollectingFollower:
+    """A beacon follower whose heartbeat work starts a GC pass, as an allocation in it can."""
+
+    def __init__(self) -> None:
+        self.beats = 0
+
+    def on_beat(self, store, interval) -> None:
+        self.beats += 1
+        gc.collect()
+
+
+def _registry_lookup(x: torch.Tensor) -> torch.Tensor:
+    return x + _REGISTRY.get(_LIVE, 0)
+
+
+def test_no_beacon_beat_lands_inside_dynamos_iteration_of_a_registry():
+    """The order-dependent ``InternalTorchDynamoError: RuntimeError: dictionary changed size
+    during iteration``: Dynamo iterates a live registry dict (torch's module-state
+    ``WeakKeyDictionary``) while a beacon thread's heartbeat work starts a GC pass that frees
+    dead entries (their weakref callbacks delete from that dict). Here the iteration is held
+    at its first entry for more than a heartbeat: a beat that runs there breaks the compile.
+    Background ticks wait while Dynamo compiles (``hold_while_compiling``)."""
+    from shardwise.faults.beacon import Beacon
+
+    _REGISTRY[_LIVE] = 1
+    dropped = [_Dead() for _ in range(20)]  # dropped inside the iteration: then only a GC pass frees them
+    for obj in dropped:
+        _REGISTRY[obj] = 0
+    wrap = dynamo_builder.enumerate_items_with_dict_position
+    held: list[int] = []
+
+    def held_at_first_entry(d):
+        items = wrap(d)
+        if d is not _REGISTRY.data:
+            return items
+
+        def iterate():
+            for n, item in enumerate(items):
+                yield item
+                if n == 0 and not held:
+                    held.append(len(d))
+                    dropped.clear()  # the models of earlier tests died (in cycles)
+                    time.sleep(0.6)  # more than a heartbeat, less than a beat's hold (two)
+
+        return iterate()
+
+    follower = _CollectingFollower()
+    beacon = Beacon(dist.HashStore(), rank=0, interval=0.5)
+    beacon.follow(follower)
+    try:
+        deadline = time.monotonic() + 10
+        while follower.beats == 0 and time.monotonic() < deadline:  # the thread beats
+            time.sleep(0.01)
+        gc.disable()  # no pass of the main thread's own inside the iteration
+        torch._dynamo.reset()
+        with mock.patch.object(dynamo_builder, "enumerate_items_with_dict_position", held_at_first_entry):
+            out = torch.compile(_registry_lookup, backend="eager")(torch.zeros(2))
+    finally:
+        gc.enable()
+        beacon.stop(join_timeout=5)
+        torch._dynamo.reset()
+    assert held, "Dynamo no longer iterates the registry's dict: the test needs another hold point"
+    assert torch.equal(out, torch.ones(2)) and follower.beats > 1
