@@ -1,8 +1,9 @@
 """A job that ends is a job that exits cleanly.
 
-- When ``shardwise train`` ends, no shardwise thread is left (beacon, poller, the watchdog's
-  waiter) before the interpreter finalises: a thread that returns from a native call into a
-  finalising interpreter dies in ``std::terminate`` (SIGABRT after a run that trained every step).
+- When a job ends, no shardwise thread is left (beacon, poller, the watchdog's waiter) before
+  the interpreter finalises: a thread that returns from a native call into a finalising
+  interpreter dies in ``std::terminate`` (SIGABRT after a run that trained every step). One
+  inside a collective that completes late is joined too (tests/_waiter_exit.py).
 - SIGTERM to ``shardwise train`` stops every rank after the same step, writes that step's
   checkpoint (``--checkpoint-dir``), and the job exits with 143 (128 + SIGTERM), with no
   native crash.
@@ -10,18 +11,23 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from shardwise.checkpoint.directory import CheckpointDir
+from shardwise.faults import monitor
+from shardwise.testing import run_on_ranks
 from shardwise.testing.crash_signs import NATIVE_CRASH
 from shardwise.testing.jobs import descendants, kill_job
+from shardwise.train import distributed
+from shardwise.train.config import TrainConfig
+from shardwise.train.loop import train
 from shardwise.train.metrics import read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -41,28 +47,20 @@ def _no_native_crash(output: str) -> None:
     assert not crashes, "\n".join(crashes) + "\n" + output[-4000:]
 
 
-def _run_job(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
-    """(exit code, output) of a launched job; past ``timeout`` it is killed with every rank."""
-    log = cwd / "job.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout)
-        finally:
-            kill_job(proc)
-    return returncode, log.read_text(errors="replace")
+def _train_then_shut_down(fields: dict) -> list[str]:
+    """A short run on this rank, then what a job's end does before destroying the process
+    group (:func:`shardwise.faults.monitor.shutdown`); the shardwise threads still alive."""
+    train(TrainConfig(**fields), distributed.setup("cpu", num_threads=1))
+    monitor.shutdown()
+    return [t.name for t in threading.enumerate() if t.name.startswith("shardwise-") and t.is_alive()]
 
 
-def test_job_end_leaves_no_shardwise_thread(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO_ROOT / "tests" / "_clean_exit_child.py")]
-    returncode, output = _run_job(cmd, tmp_path, TIMEOUT)
-    assert returncode == 0, output[-4000:]
-    _no_native_crash(output)
-    reports = [json.loads(line.split("CLEAN-EXIT ", 1)[1]) for line in output.splitlines() if "CLEAN-EXIT " in line]
-    assert sorted(r["rank"] for r in reports) == [0, 1], output[-4000:]
-    for report in reports:
-        assert report["threads"] == [], report
+def test_job_end_leaves_no_shardwise_thread():
+    """Beacon, poller and the watchdog's waiter (the one left alive at exit, every run,
+    before it could be stopped) are all joined at the end of a job."""
+    fields = dict(model="nano", steps=2, batch_size=2, seq_len=16, data_bytes=20_000)
+    for world in (2, 4):
+        assert run_on_ranks(_train_then_shut_down, world, fields, timeout=TIMEOUT) == [[]] * world
 
 
 def _free_port() -> int:
