@@ -147,7 +147,7 @@ def repeat_while_alive(ref: weakref.ref, stop: threading.Event, interval: float,
     while not stop.wait(interval):
         hold_while_compiling(stop, 2 * interval)
         owner = ref()
-        if owner is None:
+        if owner is None or stop.is_set():
             return
         try:
             tick(owner)
