@@ -4,9 +4,11 @@
   the interpreter finalises: a thread that returns from a native call into a finalising
   interpreter dies in ``std::terminate`` (SIGABRT after a run that trained every step). One
   inside a collective that completes late is joined too (tests/_waiter_exit.py).
-- SIGTERM to ``shardwise train`` stops every rank after the same step, writes that step's
-  checkpoint (``--checkpoint-dir``), and the job exits with 143 (128 + SIGTERM), with no
-  native crash.
+- A stop signal on any rank stops every rank after the same step (one all-reduce per step),
+  with that step's checkpoint (at 2 and 4 ranks, in the warm ranks).
+- SIGTERM to ``shardwise train`` (the CLI forwards it to torchrun, torchrun to the ranks)
+  stops the job after a step, writes that step's checkpoint, and the job exits with 143
+  (128 + SIGTERM), with no native crash (a launch: ``./dev test --all``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from shardwise.checkpoint.directory import CheckpointDir
 from shardwise.faults import monitor
 from shardwise.testing import run_on_ranks
@@ -29,6 +33,7 @@ from shardwise.train import distributed
 from shardwise.train.config import TrainConfig
 from shardwise.train.loop import train
 from shardwise.train.metrics import read_metrics
+from shardwise.train.signals import StopRequest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 240
@@ -61,6 +66,31 @@ def test_job_end_leaves_no_shardwise_thread():
     fields = dict(model="nano", steps=2, batch_size=2, seq_len=16, data_bytes=20_000)
     for world in (2, 4):
         assert run_on_ranks(_train_then_shut_down, world, fields, timeout=TIMEOUT) == [[]] * world
+
+
+def _train_with_a_signal_on_one_rank(fields: dict, signalled_rank: int, at_step: int) -> tuple[int, int]:
+    """Train with a stop request; ``signalled_rank`` gets SIGTERM (its handler's call) after
+    ``at_step``. Returns (steps this rank ran, the signal the ranks stopped on)."""
+    env = distributed.setup("cpu", num_threads=1)
+    request = StopRequest()
+
+    def on_step(step: int, loss: float, tokens_per_s: float) -> None:
+        if step == at_step and env.rank == signalled_rank:
+            request.handle(signal.SIGTERM, None)
+
+    result = train(TrainConfig(**fields), env, on_step=on_step, stop=request)
+    return result.steps, result.stopped_by
+
+
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_with_its_checkpoint(tmp_path):
+    """The agreement after each step: a rank signalled after step 2 (while the others
+    already run step 3) stops them all after step 3, whose checkpoint is written."""
+    for world in (2, 4):
+        ckpt = tmp_path / f"ckpt{world}"
+        fields = dict(model="nano", steps=50, batch_size=2, seq_len=16, data_bytes=20_000, checkpoint_dir=str(ckpt))
+        results = run_on_ranks(_train_with_a_signal_on_one_rank, world, fields, world - 1, 2, timeout=TIMEOUT)
+        assert results == [(3, signal.SIGTERM)] * world, results
+        assert CheckpointDir(ckpt).latest().name == "step-00000003", sorted(os.listdir(ckpt))
 
 
 def _free_port() -> int:
@@ -101,6 +131,7 @@ def _wait_for_steps(metrics: Path, proc: subprocess.Popen, steps: int, timeout: 
     raise AssertionError(f"the job did not reach step {steps} in {timeout} s (exit {proc.poll()})")
 
 
+@pytest.mark.launches
 def test_sigterm_stops_after_a_step_writes_its_checkpoint_and_exits_143(tmp_path):
     ckpt, metrics, log = tmp_path / "ckpt", tmp_path / "metrics.jsonl", tmp_path / "out.log"
     cmd = [sys.executable, "-m", "shardwise", "train", "--nproc", "2", *RUN, "--steps", "100000",
