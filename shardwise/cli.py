@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -223,16 +224,32 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Re-run ``python -m shardwise <argv>`` on ``nproc`` local ranks with torchrun; its exit code."""
+    """Re-run ``python -m shardwise <argv>`` on ``nproc`` local ranks with torchrun; its exit code.
+
+    SIGTERM sent to this process goes on to torchrun, which hands it to every rank (each
+    stops after its step, see :mod:`shardwise.train.signals`); SIGINT (Ctrl-C) reaches
+    torchrun from the terminal already. Either way this process waits for the job and
+    exits with 128 + the signal."""
     if nproc < 1:
         raise SystemExit(f"shardwise: --nproc must be >= 1, got {nproc}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "shardwise", *_without_nproc(argv)]
+    verbose = any(arg in ("-v", "--verbose") for arg in argv)
+    proc = subprocess.Popen(cmd, env=_child_env(nproc, verbose))
+    received: list[int] = []
+
+    def forward(signum: int, frame) -> None:
+        received.append(signum)
+        if signum == signal.SIGTERM and proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        verbose = any(arg in ("-v", "--verbose") for arg in argv)
-        return subprocess.run(cmd, env=_child_env(nproc, verbose)).returncode
-    except KeyboardInterrupt:
-        return 130
+        returncode = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 + received[0] if received else returncode
 
 
 def _print_report(directory: str) -> int:
@@ -287,5 +304,5 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     from shardwise.train.loop import run
 
-    run(cfg)
-    return 0
+    result = run(cfg)
+    return 128 + result.stopped_by if result.stopped_by else 0

@@ -16,6 +16,27 @@ from shardwise.train import distributed
 _EXIT_STATUS = [0]  # the session's, for pytest_unconfigure
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true",
+                     help="also run the tests marked `launches` (whole jobs launched and killed several "
+                          "times: torchft heals, torchrun restarts, cut links); CI runs `./dev test --all`")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "launches: launches and kills whole jobs several times (about a minute "
+                            "each); run by `./dev test --all` (CI), skipped by `./dev test`")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``./dev test`` skips the ``launches`` tests; ``./dev test --all`` runs everything."""
+    if config.getoption("--all"):
+        return
+    skip = pytest.mark.skip(reason="launches whole jobs: ./dev test --all (CI) runs it")
+    for item in items:
+        if "launches" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_sessionfinish(session, exitstatus):
     _EXIT_STATUS[0] = int(exitstatus)
     shutdown_pools()

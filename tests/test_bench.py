@@ -357,10 +357,19 @@ def test_instructions_child_trains_each_contender_and_rejects_unknown_ones():
 
     from bench.instructions import main
 
-    for name, extra in (("shardwise.fully_shard", []), ("shardwise.fully_shard", ["--no-optimizer"])):
-        command = [sys.executable, "-m", "bench.instructions", "--child", name, "--k", "2", "--warmup", "1"]
-        command += ["--steps", "1", *extra]
-        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
+    children = []  # both at once: each is mostly importing torch
+    for extra in ([], ["--no-optimizer"]):
+        command = [sys.executable, "-m", "bench.instructions", "--child", "shardwise.fully_shard", "--k", "2",
+                   "--warmup", "1", "--steps", "1", *extra]
+        children.append(subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
+    try:
+        for child in children:
+            _, err = child.communicate(timeout=120)
+            assert child.returncode == 0, err[-2000:]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
     with pytest.raises(SystemExit, match="unknown contender"):
         main(["--contenders", "plain,nope"])

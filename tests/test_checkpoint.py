@@ -54,6 +54,7 @@ def _kill_at_each_point(root: Path) -> subprocess.Popen:
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.launches
 def test_sigkill_at_every_commit_point_keeps_a_loadable_checkpoint(tmp_path, single_rank):
     child = _kill_at_each_point(tmp_path)
     reference = train(_cfg(), single_rank).losses  # meanwhile, the uninterrupted run

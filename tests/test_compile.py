@@ -28,11 +28,14 @@ import contextlib
 import copy
 import gc
 import inspect
+import time
+import weakref
 from unittest import mock
 
 import pytest
 import torch
 import torch._dynamo
+import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -295,29 +298,43 @@ def _method_counts_side_by_side(entries: list[str]) -> dict:
 
 
 @contextlib.contextmanager
-def _gc_pass_inside_registry_wrap():
-    """A GC pass forced once, when Dynamo, first wrapping torch's module registry (see
-    :func:`_collect_dead_modules`), has taken its first entry: where the automatic pass landed
-    in the order-dependent failure. Yields the number of entries the forced pass removed."""
-    removed: list[int] = []
+def _inside_dict_wrap(registry: dict, at_first_entry):
+    """Call ``at_first_entry(registry)`` once, when Dynamo, first wrapping ``registry`` (it
+    iterates the live dict), has taken its first entry."""
     wrap = dynamo_builder.enumerate_items_with_dict_position
+    done: list[bool] = []
 
-    def collect_after_first(d):
+    def hooked(d):
         items = wrap(d)
-        if d is not _module_state_mapping.data:
+        if d is not registry:
             return items
 
         def iterate():
             for n, item in enumerate(items):
                 yield item
-                if n == 0 and not removed:  # one pass: a full collection costs ~0.3 s here
-                    size = len(d)
-                    gc.collect()
-                    removed.append(size - len(d))
+                if n == 0 and not done:
+                    done.append(True)
+                    at_first_entry(d)
 
         return iterate()
 
-    with mock.patch.object(dynamo_builder, "enumerate_items_with_dict_position", collect_after_first):
+    with mock.patch.object(dynamo_builder, "enumerate_items_with_dict_position", hooked):
+        yield
+
+
+@contextlib.contextmanager
+def _gc_pass_inside_registry_wrap():
+    """A GC pass forced once, when Dynamo, first wrapping torch's module registry (see
+    :func:`_collect_dead_modules`), has taken its first entry: where the automatic pass landed
+    in the order-dependent failure. Yields the number of entries the forced pass removed."""
+    removed: list[int] = []
+
+    def collect(d: dict) -> None:  # one pass: a full collection costs ~0.3 s here
+        size = len(d)
+        gc.collect()
+        removed.append(size - len(d))
+
+    with _inside_dict_wrap(_module_state_mapping.data, collect):
         yield removed
 
 
@@ -415,3 +432,68 @@ def test_registered_hooks_skip_the_disable_wrapper_in_eager_mode(monkeypatch):
     finally:
         torch._dynamo.reset()
     assert entered == ["hook"], entered
+
+
+class _Dead:
+    """Stands for a dropped sharded module: in a reference cycle, freed only by a GC pass."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+_REGISTRY: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()  # as torch's module-state registry
+_LIVE = _Dead()
+
+
+class _CollectingFollower:
+    """A beacon follower whose heartbeat work starts a GC pass, as an allocation in it can."""
+
+    def __init__(self) -> None:
+        self.beats = 0
+
+    def on_beat(self, store, interval) -> None:
+        self.beats += 1
+        gc.collect()
+
+
+def _registry_lookup(x: torch.Tensor) -> torch.Tensor:
+    return x + _REGISTRY.get(_LIVE, 0)
+
+
+def test_no_beacon_beat_lands_inside_dynamos_iteration_of_a_registry():
+    """The order-dependent ``InternalTorchDynamoError: RuntimeError: dictionary changed size
+    during iteration``: Dynamo iterates a live registry dict (torch's module-state
+    ``WeakKeyDictionary``) while a beacon thread's heartbeat work starts a GC pass that frees
+    dead entries (their weakref callbacks delete from that dict). Here the iteration is held
+    at its first entry for more than a heartbeat: a beat that runs there breaks the compile.
+    Background ticks wait while Dynamo compiles (``hold_while_compiling``)."""
+    from shardwise.faults.beacon import Beacon
+
+    _REGISTRY[_LIVE] = 1
+    dropped = [_Dead() for _ in range(20)]  # dropped inside the iteration: then only a GC pass frees them
+    for obj in dropped:
+        _REGISTRY[obj] = 0
+    held: list[int] = []
+
+    def hold(d: dict) -> None:
+        held.append(len(d))
+        dropped.clear()  # the models of earlier tests died (in cycles)
+        time.sleep(0.6)  # more than a heartbeat, less than a beat's hold (two)
+
+    follower = _CollectingFollower()
+    beacon = Beacon(dist.HashStore(), rank=0, interval=0.5)
+    beacon.follow(follower)
+    try:
+        deadline = time.monotonic() + 10
+        while follower.beats == 0 and time.monotonic() < deadline:  # the thread beats
+            time.sleep(0.01)
+        gc.disable()  # no pass of the main thread's own inside the iteration
+        torch._dynamo.reset()
+        with _inside_dict_wrap(_REGISTRY.data, hold):
+            out = torch.compile(_registry_lookup, backend="eager")(torch.zeros(2))
+    finally:
+        gc.enable()
+        beacon.stop(join_timeout=5)
+        torch._dynamo.reset()
+    assert held, "Dynamo no longer iterates the registry's dict: the test needs another hold point"
+    assert torch.equal(out, torch.ones(2))

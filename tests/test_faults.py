@@ -385,6 +385,7 @@ def test_watchdog_names_a_stopped_or_dead_rank(kind):
     assert _detected_after(trace) < 4 * DEADLINE_S, trace
 
 
+@pytest.mark.launches
 def test_a_beating_rank_exits_cleanly():
     """The beacon's daemon thread is joined at exit: one caught inside a store call while
     the interpreter destroyed the store aborted the process (about half the runs)."""

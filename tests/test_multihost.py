@@ -207,6 +207,7 @@ def _stop_all(procs: list) -> None:
     procs.clear()
 
 
+@pytest.mark.launches
 def test_cut_link_gives_a_named_error(tmp_path):
     reason = _namespaces_unavailable()
     if reason:

@@ -310,6 +310,7 @@ def _assert_contiguous(records: list[dict], first: int, last: int, who: str) -> 
     assert steps == list(range(first, last + 1)), f"{who} committed steps {steps}: one step twice, or one skipped"
 
 
+@pytest.mark.launches
 def test_sync_quorum_survives_a_kill_mid_step_and_one_between_steps_and_heals_exactly(tmp_path):
     kill, dump = 6, 5  # group 1 dies inside step 6's all-reduce across groups, then restarts
     # group 0 dies after step 22's optimizer step: the healed group finishes alone. Alone, group 0
@@ -371,6 +372,7 @@ def test_sync_quorum_survives_a_kill_mid_step_and_one_between_steps_and_heals_ex
           f"in {first_step['quorum_s']:.2f} s")
 
 
+@pytest.mark.launches
 def test_async_quorum_heals_at_step_0(tmp_path):
     steps = 3
     lighthouse = Lighthouse(tmp_path / "lighthouse.log")

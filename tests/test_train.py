@@ -131,11 +131,15 @@ def test_cli_launches_torchrun_when_not_under_it(monkeypatch):
     for var in ("RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     calls = []
-    def fake_run(cmd, env):
-        calls.append((cmd, env))
-        return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(subprocess, "run", fake_run)
+    class FakeLauncher:
+        def __init__(self, cmd, env):
+            calls.append((cmd, env))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakeLauncher)
     assert cli.main(["train", "--steps", "3", "--nproc", "3", "--impl", "shardwise"]) == 0
     ((cmd, env),) = calls
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]

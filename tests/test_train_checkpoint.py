@@ -55,6 +55,7 @@ def test_resume_is_bit_identical_and_four_ranks_resume_what_two_saved(tmp_path):
     assert resumed == pytest.approx({s: _curve(ref)[s] for s in resumed}, rel=1e-5, abs=0)
 
 
+@pytest.mark.launches
 def test_torchrun_restart_after_a_killed_rank_finishes_with_the_uninterrupted_curve(tmp_path):
     ref, metrics = tmp_path / "ref.jsonl", tmp_path / "metrics.jsonl"
     threads = distributed.cpu_threads_per_rank(2)  # what each torchrun rank of 2 will use

@@ -29,11 +29,12 @@ import time
 import weakref
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from shardwise.faults.records import Position, RankStatus
 
-__all__ = ["Beacon", "beacon_for", "own_client", "repeat_while_alive", "status_key", "stop_all"]
+__all__ = ["Beacon", "beacon_for", "hold_while_compiling", "own_client", "repeat_while_alive", "status_key", "stop_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,10 +142,12 @@ class Beacon:
 def repeat_while_alive(ref: weakref.ref, stop: threading.Event, interval: float, tick: Callable[[Any], None]) -> None:
     """A daemon thread's loop: every ``interval`` seconds call ``tick(ref())`` until ``stop``
     is set, the object is collected, or a tick fails (the store is gone: shutdown, a lost
-    link; nothing left to tell). Holds the object only during a tick."""
+    link; nothing left to tell). Holds the object only during a tick. A tick waits while
+    Dynamo compiles in this process (two intervals at most): see :func:`hold_while_compiling`."""
     while not stop.wait(interval):
+        hold_while_compiling(stop, 2 * interval)
         owner = ref()
-        if owner is None:
+        if owner is None or stop.is_set():
             return
         try:
             tick(owner)
@@ -154,17 +157,45 @@ def repeat_while_alive(ref: weakref.ref, stop: threading.Event, interval: float,
         del owner
 
 
+_HOLD_POLL_S = 0.005
+
+
+def hold_while_compiling(stop: threading.Event, at_most: float) -> None:
+    """Wait (``at_most`` seconds) while Dynamo compiles on this process's main thread.
+
+    Dynamo iterates live dicts while it allocates: torch's module-state registry (a
+    ``WeakKeyDictionary`` that every ``fully_shard``-ed module is in) among them. A tick's
+    Python work (the status, the step digests' per-step records) allocates too, and an
+    allocation can start a GC pass *in this thread*; the pass frees dead sharded models
+    (they die in reference cycles) and runs their weakref callbacks, which delete registry
+    entries under Dynamo's iteration: ``InternalTorchDynamoError: RuntimeError: dictionary
+    changed size during iteration``. So background work waits for the compile to end; the
+    bound keeps the published status younger than the watchdog's deadline (the interval is
+    at most a quarter of it)."""
+    deadline = time.monotonic() + at_most
+    while _dynamo_compiling() and time.monotonic() < deadline and not stop.wait(_HOLD_POLL_S):
+        pass
+
+
+def _dynamo_compiling() -> bool:
+    """Whether a torch.compile session is open in this process (torch 2.13 sets this flag for it)."""
+    return bool(getattr(torch.compiler, "_is_compiling_flag", False))
+
+
 _BEACONS: dict[int, Beacon] = {}  # global rank -> its beacon (ranks may be threads of one process)
 
 
 @atexit.register
-def stop_all() -> None:
+def stop_all() -> list[threading.Thread]:
     """Join every beacon thread before the interpreter tears down: a daemon thread still
     inside a c10d store call (the GIL released) while the store is destroyed under it ends
-    the process in ``std::terminate`` ("terminate called without an active exception")."""
-    for beacon in list(_BEACONS.values()):
-        beacon.stop(join_timeout=beacon.interval + 5.0)
+    the process in ``std::terminate`` ("terminate called without an active exception").
+    Returns the threads that did not leave in time (each inside a store call)."""
+    beacons = list(_BEACONS.values())
     _BEACONS.clear()
+    for beacon in beacons:
+        beacon.stop(join_timeout=beacon.interval + 5.0)
+    return [b._thread for b in beacons if b._thread.is_alive() and b._thread is not threading.current_thread()]
 
 
 def beacon_for(interval: float) -> Beacon:

@@ -21,6 +21,8 @@ the FSDP hot path (gradient clipping, a training job's metrics and exit barrier)
 
 from __future__ import annotations
 
+import atexit
+import threading
 from typing import Callable, Iterable
 
 import torch
@@ -31,7 +33,7 @@ from shardwise.faults.ledger import forget_all, ledger_for
 from shardwise.faults.records import END_OF_STEP, Collective
 from shardwise.faults.settings import current
 from shardwise.faults.settings import reset as reset_settings
-from shardwise.faults.watchdog import WatchedWork, raise_digest_error
+from shardwise.faults.watchdog import WatchedWork, raise_digest_error, stop_waiters
 
 __all__ = ["issue", "all_reduce", "begin_step", "end_step", "shutdown", "reset"]
 
@@ -119,15 +121,27 @@ def reset() -> None:
     ledger (steps, numbering, what a root marked) and go back to the environment's
     settings. For harnesses that run many jobs in one process: :mod:`shardwise.testing`'s
     rank pools run one per task, so no task inherits another's steps or ``configure()``."""
-    shutdown()
+    shutdown(waiter_join_s=0.5)  # a waiter left in a failed task's collective is not waited for
     forget_all()
     reset_settings()
 
 
-def shutdown() -> None:
-    """Stop this process's fault threads (beacons, pollers) and wait for them to leave any
-    store call. Call it before destroying the process group at the end of a job: a rank
-    whose peer (the store's host) exits first must not be left inside a store call when
-    the interpreter tears down. Fault detection restarts on the next collective."""
-    poller.stop_all()
-    beacon.stop_all()
+WAITER_JOIN_S = 5.0
+"""How long :func:`shutdown` waits for the watchdog's waiter threads to leave."""
+
+
+@atexit.register
+def shutdown(waiter_join_s: float = WAITER_JOIN_S) -> list[threading.Thread]:
+    """Stop this process's fault threads (beacons, pollers, the watchdog's waiters) and join
+    them; returns those still alive. Call it before destroying the process group at the end
+    of a job (:func:`shardwise.train.distributed.teardown` does; it also runs at exit): a
+    rank whose peer (the store's host) exits first must not be left inside a store call
+    when the interpreter tears down. Fault detection restarts on the next collective.
+
+    A thread still alive is inside a native call that has not returned: a store call, or a
+    waiter inside the ``wait()`` of a collective that failed (it returns once its process
+    group is destroyed). Such a thread must not outlive the interpreter: when the call
+    returns into a finalizing interpreter, taking the GIL ends the thread through a forced
+    unwind that C++ destructors turn into ``std::terminate`` ("terminate called without an
+    active exception", SIGABRT). See :func:`shardwise.train.distributed.teardown`."""
+    return poller.stop_all() + beacon.stop_all() + stop_waiters(waiter_join_s)

@@ -173,9 +173,12 @@ def raise_if_failed(rank: int) -> None:
 
 
 @atexit.register
-def stop_all() -> None:
+def stop_all() -> list[threading.Thread]:
     """Join the poller threads before the interpreter tears down (see beacon.py: a daemon
-    thread inside a c10d store call while the store is destroyed ends in std::terminate)."""
-    for poller in list(_POLLERS.values()):
-        poller.stop(join_timeout=poller.interval + 5.0)
+    thread inside a c10d store call while the store is destroyed ends in std::terminate).
+    Returns the threads that did not leave in time."""
+    pollers = list(_POLLERS.values())
     _POLLERS.clear()
+    for poller in pollers:
+        poller.stop(join_timeout=poller.interval + 5.0)
+    return [p._thread for p in pollers if p._thread.is_alive() and p._thread is not threading.current_thread()]

@@ -36,7 +36,7 @@ from shardwise.faults.errors import CollectiveFailedError, CollectiveTimeoutErro
 from shardwise.faults.ledger import Ledger
 from shardwise.faults.records import Position, RankStatus, describe_position
 
-__all__ = ["WatchedWork", "diagnose", "peer_report", "raise_digest_error", "timeout_error"]
+__all__ = ["WatchedWork", "diagnose", "peer_report", "raise_digest_error", "stop_waiters", "timeout_error"]
 
 
 class WatchedWork:
@@ -87,45 +87,72 @@ def _watch(work, ledger: Ledger, position: Position, deadline: float) -> None:
         if failure:
             raise _failed(ledger, position, failure[0]) from failure[0]
     except BaseException:
-        if not done.is_set():
-            _WAITER.clear()  # that thread stays blocked on the dead collective: the next wait gets a new one
+        if not done.is_set() and _WAITER:  # that thread stays blocked on the dead collective:
+            _LEFT_BEHIND.append(_WAITER.pop())  # the next wait gets a new one
         _publish_quietly(beacon)
         raise
     beacon.unblock()
 
 
 class _Waiter:
-    """A daemon thread that calls ``wait()`` on the works handed to it, one at a time."""
+    """A daemon thread that calls ``wait()`` on the works handed to it, one at a time, until
+    handed ``None`` (:func:`stop_waiters`)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="shardwise-waiter", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="shardwise-waiter", daemon=True)
+        self.thread.start()
 
     def submit(self, work) -> tuple[threading.Event, list]:
         done, failure = threading.Event(), []
         self._queue.put((work, done, failure))
         return done, failure
 
+    def stop(self) -> None:
+        """Ask the thread to leave once the work in hand (if any) returns."""
+        self._queue.put(None)
+
     def _run(self) -> None:
         while True:
-            work, done, failure = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            work, done, failure = item
             try:
                 work.wait()
             except BaseException as err:  # handed back to the waiting thread
                 failure.append(err)
             # Drop the work before signalling: a work keeps its tensors alive, and a kept
             # gradient buffer is reused only while nothing else holds its storage.
-            del work
+            del work, item
             done.set()
 
 
-_WAITER: list[_Waiter] = []
+_WAITER: list[_Waiter] = []  # the waiter new waits go to (empty: start one)
+_LEFT_BEHIND: list[_Waiter] = []  # waiters left inside the wait of a collective that failed
 
 
 def _waiter() -> _Waiter:
     if not _WAITER:
         _WAITER.append(_Waiter())
     return _WAITER[0]
+
+
+def stop_waiters(join_timeout: float) -> list[threading.Thread]:
+    """Stop every waiter thread and join it (``join_timeout`` seconds in all at most); the
+    threads still alive: each is blocked inside a collective's native ``wait()``, which
+    returns only when its process group completes, fails or is destroyed."""
+    waiters = _WAITER + _LEFT_BEHIND
+    _WAITER.clear()
+    _LEFT_BEHIND.clear()
+    for waiter in waiters:
+        waiter.stop()
+    deadline = time.monotonic() + join_timeout
+    for waiter in waiters:
+        waiter.thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [w for w in waiters if w.thread.is_alive()]
+    _LEFT_BEHIND.extend(stuck)
+    return [w.thread for w in stuck]
 
 
 def _publish_quietly(beacon) -> None:

@@ -268,6 +268,7 @@ class TrainResult:
     flops_per_token: float = 0.0  # forward + backward model FLOPs per token (6N + attention); 0: unknown
     peak_flops: float | None = None  # the device's peak FLOP/s per rank at the run's precision; None: unknown
     eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)  # --eval-every: step -> held-out loss
+    stopped_by: int = 0  # the signal (SIGTERM, SIGINT) that ended the run early; 0: it ran to its end
 
     @property
     def tokens_per_s(self) -> float:

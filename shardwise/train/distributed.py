@@ -24,8 +24,11 @@ adopts it and :func:`teardown` leaves it alone.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
+import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -33,7 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.faults import monitor
 
-__all__ = ["DistEnv", "mesh_dims", "setup", "teardown", "is_under_launcher", "cpu_threads_per_rank"]
+__all__ = ["DistEnv", "mesh_dims", "setup", "teardown", "leave", "release_process_groups", "is_under_launcher",
+           "cpu_threads_per_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,33 +197,75 @@ def setup(device: str = "auto", num_threads: int | None = None, replicate: int =
     return env
 
 
-def teardown(env: DistEnv, wait_for_peers: bool = True) -> None:
-    """Destroy the default process group if :func:`setup` created it; idempotent.
+def teardown(env: DistEnv, wait_for_peers: bool = True) -> list[threading.Thread]:
+    """Destroy the default process group if :func:`setup` created it; idempotent. Returns
+    shardwise's threads still alive after it (empty on an orderly end): see :func:`leave`.
 
     Args:
         env: what :func:`setup` returned.
         wait_for_peers: barrier first (the normal exit); pass ``False`` when leaving on an
             error, since the other ranks may never reach the barrier.
 
-    The barrier matters: without it a rank that finishes early (one with nothing to print)
-    closes its gloo connections and exits while rank 0 is still writing the summary, and
-    rank 0's own teardown then intermittently dies with ``terminate called without an
-    active exception`` (SIGABRT; 1 run in ~5 on torch 2.13 CPU, 0 in 40 with the barrier).
+    The order is the invariant: no thread may be inside a native call when the interpreter
+    finalises. A thread that returns from one into a finalising interpreter is ended by a
+    forced unwind as it takes the GIL, and a C++ frame on its stack (a ``noexcept``
+    destructor: pybind11's GIL release, a tensor's release) turns that into
+    ``std::terminate``: "terminate called without an active exception", SIGABRT, after a
+    run that trained every step. So, in order:
 
-    It is an all-reduce through the fault monitor: a peer that died, stopped or lost its
-    link before the end of the job is named within the watchdog's deadline. Then this
-    rank's fault threads stop (no beacon may be inside a store call when rank 0, the
-    store's host, exits) and a plain barrier keeps every rank until all have stopped
-    theirs: every rank passed the watched barrier a moment before, so only a peer lost in
-    that moment could keep it waiting. ``setup`` has no barrier of its own: the rendezvous
-    in ``init_process_group`` and ``init_device_mesh`` is torch's (bounded by the process
-    group's timeout).
+    1. an exit barrier, an all-reduce through the fault monitor: a peer that died, stopped
+       or lost its link before the end of the job is named within the watchdog's deadline
+       (without it, a rank that finished early closed its gloo connections while rank 0
+       still wrote the summary: 1 run in ~5 aborted);
+    2. shardwise's threads stop and are joined (beacons, pollers, the watchdog's waiter:
+       :func:`shardwise.faults.monitor.shutdown`), before any c10d object goes;
+    3. a plain barrier keeps every rank until all have stopped theirs (no beacon may be in
+       a store call when the store's host exits);
+    4. the process groups are destroyed, and :func:`release_process_groups` frees the
+       dropped sharded model now (its states hold the groups and its tensors in reference
+       cycles), not in the interpreter's last collection.
+
+    ``setup`` has no barrier of its own: the rendezvous in ``init_process_group`` and
+    ``init_device_mesh`` is torch's (bounded by the process group's timeout).
     """
-    if env.owns_process_group and dist.is_initialized():
-        if wait_for_peers:
-            monitor.all_reduce(torch.zeros(1, device=env.device), dist.group.WORLD, dist.ReduceOp.SUM,
-                               "shardwise train's exit barrier").cpu()  # .cpu(): NCCL waits here
-        monitor.shutdown()
-        if wait_for_peers:
-            dist.barrier()
-        dist.destroy_process_group()
+    if not (env.owns_process_group and dist.is_initialized()):
+        return []
+    if wait_for_peers:
+        monitor.all_reduce(torch.zeros(1, device=env.device), dist.group.WORLD, dist.ReduceOp.SUM,
+                           "shardwise train's exit barrier").cpu()  # .cpu(): NCCL waits here
+    stuck = monitor.shutdown()
+    if wait_for_peers and not stuck:
+        dist.barrier()
+    dist.destroy_process_group()
+    release_process_groups()
+    for thread in stuck:  # a waiter in a failed collective returns once its group is gone
+        thread.join(STUCK_JOIN_S)
+    return [t for t in stuck if t.is_alive()]
+
+
+STUCK_JOIN_S = 5.0
+"""How long :func:`teardown` waits, after destroying the groups, for a thread that was inside a collective."""
+
+
+def release_process_groups() -> None:
+    """Collect the garbage that still holds destroyed process groups and tensors (a dropped
+    sharded model: module -> state -> its modules) while the interpreter is fully alive."""
+    gc.collect()
+
+
+def leave(stuck: list[threading.Thread], code: int) -> None:
+    """End the process now, without interpreter finalisation, if shardwise threads are
+    ``stuck`` inside native calls (see :func:`teardown`): streams flushed, logging shut
+    down, ``os._exit(code)``. Nothing happens when ``stuck`` is empty."""
+    if not stuck:
+        return
+    logger.error("shardwise: %d thread(s) still inside native calls at the end of the job (%s): "
+                 "leaving without interpreter teardown, exit code %d", len(stuck),
+                 ", ".join(t.name for t in stuck), code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -41,7 +41,7 @@ from shardwise.train.build import build_sharded
 from shardwise.train.checkpointing import RunCheckpoints
 from shardwise.train.config import TrainConfig, TrainResult
 from shardwise.train.data import BatchSampler, load_corpus
-from shardwise.train.distributed import DistEnv, setup, teardown
+from shardwise.train.distributed import DistEnv, leave, setup, teardown
 from shardwise.train.fault_tolerance import Replicas, attach, replica_group
 from shardwise.train.float8 import precompute_scales
 from shardwise.train.metrics import MetricsLog
@@ -49,6 +49,7 @@ from shardwise.train.model import GPT
 from shardwise.train.models import ModelSpec, model_spec, param_count
 from shardwise.train.preflight import preflight
 from shardwise.train.schedule import build_scheduler
+from shardwise.train.signals import StopRequest, stop_on_signals
 from shardwise.train.summary import device_peak_flops, step_report
 from shardwise.train.tensorboard import TensorBoardLog
 
@@ -245,8 +246,10 @@ def _ft_fields(replicas: Replicas | None) -> dict:
 
 def _run_steps(
     job: _Run, cfg: TrainConfig, env: DistEnv, start_step: int, on_step: StepCallback | None,
+    stop: StopRequest | None = None,
 ) -> tuple[list[float], float]:
-    """Steps ``start_step + 1 ..`` to ``--stop-after`` or ``--steps``; this rank's losses and the seconds taken."""
+    """Steps ``start_step + 1 ..`` to ``--stop-after`` or ``--steps`` (or the step a stop
+    signal ends, see :mod:`~shardwise.train.signals`); this rank's losses and the seconds taken."""
     tokens_per_step = cfg.batch_size * job.sampler.seq_len * env.dp_size
     tally = _comm_tally(cfg.impl)
     losses: list[float] = []
@@ -265,6 +268,8 @@ def _run_steps(
             job.scheduler.step()
             if job.replicas is not None:
                 job.replicas.heal.stage()
+            if stop is not None and stop.should_stop(env.device):
+                job.checkpoints.last_step = step  # the run's last step now: its checkpoint is due
             held_s = job.checkpoints.after_step(step)
             if rep is not None:
                 rep.step(losses[-1])
@@ -340,7 +345,9 @@ def _setup_run(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[_Run, i
     return job, start_step
 
 
-def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -> TrainResult:
+def train(
+    cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None, stop: StopRequest | None = None,
+) -> TrainResult:
     """Train ``cfg`` on the ranks of ``env``; every rank must call this with the same ``cfg``.
 
     With ``cfg.resume`` the run continues after the newest checkpoint in ``cfg.checkpoint_dir``
@@ -350,6 +357,8 @@ def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -
         cfg: the run's configuration.
         env: this rank's place in the run, from :func:`shardwise.train.distributed.setup`.
         on_step: optional per-step callback ``(step, loss, tokens_per_s)`` (rank 0 draws its bar with it).
+        stop: ends the run after the step a stop signal came in (one collective per step);
+            ``None``: the run ends at ``--stop-after`` or ``--steps`` only.
     """
     t0 = time.perf_counter()
     spec = preflight(cfg, env.world_size)
@@ -362,7 +371,7 @@ def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -
         tally.reset()
     setup_s = time.perf_counter() - t0
     try:
-        losses, wall_s = _run_steps(job, cfg, env, start_step, on_step)
+        losses, wall_s = _run_steps(job, cfg, env, start_step, on_step, stop)
     finally:
         job.metrics.close()
         job.tensorboard.close()
@@ -389,32 +398,53 @@ def train(cfg: TrainConfig, env: DistEnv, on_step: StepCallback | None = None) -
         flops_per_token=spec.flops_per_token(n_params),
         peak_flops=device_peak_flops(env.device, cfg.mixed_precision),
         eval_losses=job.eval_losses,
+        stopped_by=0 if stop is None else stop.agreed,
     )
 
 
-def _train_and_report(cfg: TrainConfig, env: DistEnv) -> TrainResult:
+def _train_and_report(cfg: TrainConfig, env: DistEnv, stop: StopRequest) -> TrainResult:
     """:func:`train`, with rank 0 printing the header, the progress bar and the summary."""
     if not env.is_main:
-        return train(cfg, env)
+        return train(cfg, env, stop=stop)
     spec = model_spec(cfg)
     summary.print_header(cfg, spec.describe(param_count(spec)), spec.seq_len, env, str(env.device))
     bar = summary.ProgressBar(cfg.steps)
-    result = train(cfg, env, on_step=bar.update)
+    result = train(cfg, env, on_step=bar.update, stop=stop)
     bar.close()
     summary.print_summary(result)
     return result
 
 
 def run(cfg: TrainConfig) -> TrainResult:
-    """The whole run on this rank: set up the process group, train, report on rank 0, tear down."""
+    """The whole run on this rank: set up the process group, train, report on rank 0, tear
+    down; SIGTERM and SIGINT stop it after a step (``result.stopped_by``; see
+    :mod:`~shardwise.train.signals`).
+
+    Every way out tears down in order (:func:`~shardwise.train.distributed.teardown`): no
+    shardwise thread is left inside a native call when the interpreter finalises. Should one
+    be (a waiter inside a collective that never completes), the process ends at once with
+    the exit code it would have had (:func:`~shardwise.train.distributed.leave`).
+    """
     env = setup(cfg.device, replicate=cfg.replicate, tp=cfg.tp)
-    try:
-        result = _train_and_report(cfg, env)
-    except BaseException:
-        teardown(env, wait_for_peers=False)  # the peers may never get here; torchrun stops them
-        raise
-    teardown(env)
+    with stop_on_signals() as stop:
+        try:
+            result = _train_and_report(cfg, env, stop)
+        except BaseException as err:
+            stuck = teardown(env, wait_for_peers=False)  # the peers may never get here; torchrun stops them
+            if stuck:
+                logger.error("shardwise train failed", exc_info=err)
+            leave(stuck, exit_code_of(err))
+            raise
+    leave(teardown(env), 128 + result.stopped_by if result.stopped_by else 0)
     return result
+
+
+def exit_code_of(err: BaseException) -> int:
+    """The exit status Python gives ``err`` when it ends the process (SystemExit's own, 130
+    for KeyboardInterrupt, else 1)."""
+    if isinstance(err, SystemExit):
+        return err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+    return 130 if isinstance(err, KeyboardInterrupt) else 1
 
 
 def restore_model(cfg: TrainConfig, env: DistEnv) -> nn.Module:

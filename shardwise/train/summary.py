@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import sys
 from typing import TYPE_CHECKING, Iterator, TextIO
 
@@ -174,6 +175,7 @@ def summary_lines(result: TrainResult) -> list[str]:
     """The summary block, ending with :func:`final_line`."""
     return [
         f"steps         {result.steps} on {result.world_size} ranks ({result.tokens_per_step:,} tokens/step)",
+        *_stop_lines(result),
         f"wall time     {result.wall_s:.1f} s training (+{result.setup_s:.1f} s setup)",
         _throughput_line(result),
         f"loss          {result.first_loss:.4f} -> {result.final_loss:.4f} (mean over ranks)",
@@ -182,6 +184,15 @@ def summary_lines(result: TrainResult) -> list[str]:
         *_peak_lines(result),
         final_line(result),
     ]
+
+
+def _stop_lines(result: TrainResult) -> list[str]:
+    """A line when a signal ended the run early (see :mod:`~shardwise.train.signals`)."""
+    if not result.stopped_by:
+        return []
+    name = signal.Signals(result.stopped_by).name
+    return [f"stopped       by {name} after step {result.resumed_from + result.steps} "
+            f"(exit code {128 + result.stopped_by})"]
 
 
 def print_summary(result: TrainResult) -> None:
