@@ -305,4 +305,4 @@ def main(argv: list[str] | None = None) -> int:
     from shardwise.train.loop import run
 
     result = run(cfg)
-    return 128 + result.stopped_by if result.stopped_by else 0
+    return result.exit_code

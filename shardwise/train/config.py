@@ -271,6 +271,11 @@ class TrainResult:
     stopped_by: int = 0  # the signal (SIGTERM, SIGINT) that ended the run early; 0: it ran to its end
 
     @property
+    def exit_code(self) -> int:
+        """The job's exit status: 128 + the signal that stopped it (the shell's convention), 0 when it ran to its end."""
+        return 128 + self.stopped_by if self.stopped_by else 0
+
+    @property
     def tokens_per_s(self) -> float:
         return self.steps * self.tokens_per_step / max(self.wall_s, 1e-9)
 

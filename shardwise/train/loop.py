@@ -435,7 +435,7 @@ def run(cfg: TrainConfig) -> TrainResult:
                 logger.error("shardwise train failed", exc_info=err)
             leave(stuck, exit_code_of(err))
             raise
-    leave(teardown(env), 128 + result.stopped_by if result.stopped_by else 0)
+    leave(teardown(env), result.exit_code)
     return result
 
 

@@ -59,11 +59,6 @@ class StopRequest:
         self.agreed = int(flag.item())
         return self.agreed != 0
 
-    @property
-    def exit_code(self) -> int:
-        """128 + the agreed signal (the shell's convention), 0 when the run was not stopped."""
-        return 128 + self.agreed if self.agreed else 0
-
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[StopRequest]:

@@ -192,7 +192,7 @@ def _stop_lines(result: TrainResult) -> list[str]:
         return []
     name = signal.Signals(result.stopped_by).name
     return [f"stopped       by {name} after step {result.resumed_from + result.steps} "
-            f"(exit code {128 + result.stopped_by})"]
+            f"(exit code {result.exit_code})"]
 
 
 def print_summary(result: TrainResult) -> None:
