@@ -90,12 +90,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_parallel_args(p: argparse.ArgumentParser, d) -> None:
     from shardwise.train.config import AC_MODES
+    from shardwise.train.pipeline import SCHEDULES
 
     g = p.add_argument_group("parallelism and memory (see shardwise.train.parallel)")
     g.add_argument("--replicate", type=int, default=d.replicate, metavar="R",
                    help="HSDP: an (R, N/R) mesh: R replicas, each sharded over N/R ranks (default 1)")
     g.add_argument("--tp", type=int, default=d.tp, metavar="T",
                    help="tensor parallel of degree T inside each block, on a (dp, tp) mesh (default 1)")
+    g.add_argument("--pp", type=int, default=d.pp, metavar="P",
+                   help="pipeline parallel of degree P: the blocks cut into stages on a (pp, dp) mesh (default 1)")
+    g.add_argument("--pp-schedule", choices=SCHEDULES, default=d.pp_schedule,
+                   help="--pp's schedule from torch.distributed.pipelining (default %(default)s; GPipe and 1F1B "
+                        "hold one stage per rank, the others two)")
+    g.add_argument("--pp-microbatches", type=int, default=d.pp_microbatches, metavar="M",
+                   help="--pp: split each batch into M microbatches (default: the number of stages)")
     g.add_argument("--ac", choices=AC_MODES, default=d.ac, help="activation checkpointing per block (default %(default)s)")
     g.add_argument("--compile", action="store_true", help="torch.compile each block")
     g.add_argument("--compile-backend", default=d.compile_backend, metavar="B", help="torch.compile backend (default %(default)s)")

@@ -36,7 +36,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from shardwise.faults import monitor
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"]
 
 
 def clip_grad_norm_(
@@ -53,20 +53,40 @@ def clip_grad_norm_(
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    norm_type = float(norm_type)
     if not grads:
         return torch.tensor(0.0)
-    total = _total_norm(grads, norm_type)
+    total = get_total_norm(grads, norm_type, error_if_nonfinite)
+    clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def get_total_norm(
+    tensors: Iterable[torch.Tensor], norm_type: float = 2.0, error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """The ``norm_type`` norm of all of ``tensors`` together (a plain scalar tensor on the CPU):
+    ``torch.nn.utils.get_total_norm``, correct for sharded DTensors on any mix of meshes."""
+    norm_type = float(norm_type)
+    total = _total_norm(list(tensors), norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
             "pass error_if_nonfinite=False to clip anyway"
         )
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in grads:
+    return total
+
+
+def clip_grads_with_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, total_norm: torch.Tensor,
+    foreach: bool | None = None,
+) -> None:
+    """Scale the gradients of ``parameters`` in place by ``min(1, max_norm / (total_norm + 1e-6))``
+    (``torch.nn.utils.clip_grads_with_norm_``; each rank scales its own shards)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for grad in (p.grad for p in params if p.grad is not None):
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         local.mul_(coef.to(local.device, local.dtype))
-    return total
 
 
 def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -120,7 +120,7 @@ class Checkpointer:
         if path is None:
             logger.info("no checkpoint in %s: starting fresh", self.dir.root)
             return 0
-        check_shapes(manifest["tensors"], tensor_shapes(get_model_state_dict(self.model)), path)
+        check_shapes(manifest["tensors"], _job_shapes(get_model_state_dict(self.model)), path)
         load_sharded_state(self.model, self.optimizer, path)
         step = read_rank_state(path, self.rank, manifest["world_size"], self.stateful)
         if step != manifest["step"]:
@@ -164,7 +164,7 @@ class Checkpointer:
         staging = self.dir.staging(step)
         write_rank_state(staging, self.rank, step, self.stateful)
         state = sharded_state(self.model, self.optimizer)
-        manifest = {"world_size": self.world_size, "tensors": tensor_shapes(state["model"]), "meta": self.meta}
+        manifest = {"world_size": self.world_size, "tensors": _job_shapes(state["model"]), "meta": self.meta}
         writer = dcp.FileSystemWriter(str(staging), sync_files=True)
         if self.policy.async_save:
             future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
@@ -196,3 +196,11 @@ class Checkpointer:
         if self.rank == 0:
             self.dir.commit(step, manifest)
             self.dir.prune(self.policy.keep_last, step)
+
+
+def _job_shapes(model_sd: Mapping[str, Any]) -> dict[str, list[int]]:
+    """``{key: global shape}`` of the whole job's model: every rank's keys (one all-gather of
+    small dicts). Under pipeline parallelism a rank holds only its stages' keys."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, tensor_shapes(model_sd))
+    return {key: shape for shapes in gathered for key, shape in shapes.items()}

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardwise.checkpoint.directory import CheckpointError, write_json
 
@@ -65,9 +65,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""The optimizer's state keyed by parameter name (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``),
+not by group index: a rank that holds only some parameters (a pipeline stage) saves and finds its
+own groups' settings, whichever rank's copy of a key DCP keeps."""
+
+
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` from DCP's ``get_state_dict``: sharded DTensors, no copies."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -96,7 +102,7 @@ def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, path:
         dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
     except Exception as e:  # DCP raises CheckpointException (a gather of every rank's failure)
         raise CheckpointError(f"checkpoint {path} could not be read: {type(e).__name__}: {e}") from e
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -32,9 +32,10 @@ from shardwise.train.distributed import DistEnv
 from shardwise.train.float8 import convert_to_float8, float8_tp_plan
 from shardwise.train.models import ModelSpec
 from shardwise.train.parallel import apply_ac, apply_compile, apply_tp, plain_name
+from shardwise.train.pipeline import Pipeline, build_schedule, merged, split_blocks, stage_ids
 from shardwise.train.sharding import ShardOptions, shard_model
 
-__all__ = ["build_sharded", "sharded_on_meta", "materialize"]
+__all__ = ["build_sharded", "sharded_on_meta", "build_pipelined", "materialize"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,13 @@ def build_sharded(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Module:
 
 def sharded_on_meta(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Module:
     """The model of ``spec``, parallelised and sharded, still on the meta device (no memory)."""
+    model, blocks = _parallelized_on_meta(cfg, env, spec)
+    return shard_model(model, list(blocks), env.mesh, _shard_options(cfg))
+
+
+def _parallelized_on_meta(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[nn.Module, nn.ModuleList]:
+    """The model of ``spec`` on the meta device and its blocks, each converted, tensor-parallel,
+    checkpointed and compiled as ``cfg`` says (not yet sharded)."""
     with torch.device("meta"):
         model = spec.build()
     blocks = spec.blocks(model)
@@ -63,8 +71,33 @@ def sharded_on_meta(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Modul
     apply_ac(blocks, cfg.ac)
     if cfg.compile:
         apply_compile(blocks, cfg.compile_backend)
-    opts = ShardOptions(cfg.impl, cfg.mixed_precision, cfg.reshard_after_forward, cfg.cpu_offload)
-    return shard_model(model, list(blocks), env.mesh, opts)
+    return model, blocks
+
+
+def _shard_options(cfg: TrainConfig) -> ShardOptions:
+    return ShardOptions(cfg.impl, cfg.mixed_precision, cfg.reshard_after_forward, cfg.cpu_offload)
+
+
+def build_pipelined(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[nn.Module, Pipeline]:
+    """``--pp``: this rank's stages of the model of ``spec``, each sharded over the data-parallel
+    mesh, with their values on ``env.device``; returns the stages' union (the optimizer's and the
+    checkpoint's view, under the model's own parameter names) and the :class:`Pipeline`."""
+    model, blocks = _parallelized_on_meta(cfg, env, spec)
+    pp, pp_rank = env.pp_mesh.size(), env.pp_mesh.get_local_rank()
+    ids = stage_ids(cfg.pp_schedule, pp_rank, pp)
+    n_stages = pp * len(ids)
+    runs = split_blocks(len(blocks), n_stages)
+    stages = []
+    for i in ids:
+        stage = spec.stage_module(model, runs[i], first=i == 0, last=i == n_stages - 1)
+        stages.append(shard_model(stage, [blocks[b] for b in runs[i]], env.mesh, _shard_options(cfg)))
+    logger.info("pipeline stages %s of %d on pp rank %d: blocks %s", ids, n_stages, pp_rank,
+                [list(runs[i]) for i in ids])
+    materialize(model, spec, env.device, cfg.seed, spec.weights(), parts=stages)
+    schedule = build_schedule(stages, ids, n_stages, env.device, env.pp_mesh, cfg.pp_schedule, cfg.n_microbatches)
+    pipe = Pipeline(stages, schedule, env.pp_mesh, has_first=0 in ids, has_last=n_stages - 1 in ids,
+                    switch=cfg.impl == "shardwise")
+    return merged(stages), pipe
 
 
 def _copy_shard(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -82,7 +115,10 @@ def _copy_shard(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, spec: ModelSpec, device: torch.device, seed: int, weights: Weights | None = None) -> None:
+def materialize(
+    model: nn.Module, spec: ModelSpec, device: torch.device, seed: int, weights: Weights | None = None,
+    parts: list[nn.Module] | None = None,
+) -> None:
     """Give every parameter of the (sharded, meta) ``model`` its values, one full tensor at a time.
 
     Args:
@@ -91,11 +127,21 @@ def materialize(model: nn.Module, spec: ModelSpec, device: torch.device, seed: i
         device: where the shards go.
         seed: the random stream of the initialisation, the same on every rank.
         weights: values by plain parameter name instead of the initialisation (``--hf-model``).
+        parts: the pieces of ``model`` this rank holds, each sharded as its own root under
+            ``model``'s names (``--pp``: its stages); ``None``: all of ``model``. The random
+            stream still runs through every module of ``model`` in order, the draws of the
+            modules not held thrown away, so each value is the one the whole model gets.
     """
-    model.to_empty(device=device)
+    for root in parts or [model]:
+        root.to_empty(device=device)  # through each FSDP root: its sharded parameters move with it
     torch.manual_seed(seed)
     seen: set[int] = set()  # tied parameters are set once, through their first name
+    held = None if parts is None else {id(m) for part in parts for m in part.modules()}
     for name, module in model.named_modules():
+        if held is not None and id(module) not in held:
+            if weights is None:
+                _draw_and_drop(spec, model, plain_name(name), module, device)
+            continue
         name = plain_name(name)
         params = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in seen}
         if not params:
@@ -107,15 +153,32 @@ def materialize(model: nn.Module, spec: ModelSpec, device: torch.device, seed: i
             for n, p in params.items():
                 _copy_shard(p, _loaded(weights, f"{name}.{n}" if name else n, p).to(device=device, dtype=p.dtype))
             continue
-        temps = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in params.items()}
-        module._parameters.update(temps)
-        try:
-            spec.init_module(model, name, module)
-        finally:
-            module._parameters.update(params)
+        temps = _initialised(spec, model, name, module, params, device)
         for n, p in params.items():
             _copy_shard(p, temps[n])
         del temps  # before the next module's are made: one module's full tensors at a time
+
+
+def _draw_and_drop(spec: ModelSpec, root: nn.Module, name: str, module: nn.Module, device: torch.device) -> None:
+    """Initialise ``module`` (another rank's) on full-size temporaries and drop them: only the
+    random numbers its initialisation draws matter, so that the next module's are the whole model's."""
+    params = {n: p for n, p in module._parameters.items() if p is not None}
+    if params:
+        _initialised(spec, root, name, module, params, device)
+
+
+def _initialised(
+    spec: ModelSpec, root: nn.Module, name: str, module: nn.Module, params: dict[str, torch.Tensor], device: torch.device,
+) -> dict[str, nn.Parameter]:
+    """Full-size temporaries of ``module``'s ``params``, initialised by the model's own rule
+    (``module`` keeps its own parameters afterwards)."""
+    temps = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device)) for n, p in params.items()}
+    module._parameters.update(temps)
+    try:
+        spec.init_module(root, name, module)
+    finally:
+        module._parameters.update(params)
+    return temps
 
 
 def _loaded(weights: Weights, name: str, param: torch.Tensor) -> torch.Tensor:

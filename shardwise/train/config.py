@@ -13,6 +13,7 @@ from shardwise.train.data import DEFAULT_MAX_BYTES, VOCAB_SIZE
 from shardwise.train.distributed import mesh_dims
 from shardwise.train.fault_tolerance import FAULT_TOLERANCE
 from shardwise.train.model import PRESETS, GPTConfig
+from shardwise.train.pipeline import DEFAULT_SCHEDULE, stages_per_rank
 from shardwise.train.sharding import IMPLS, MIXED_PRECISION
 
 if TYPE_CHECKING:
@@ -90,6 +91,12 @@ class TrainConfig:
     """HSDP: shard within groups of ``world / (replicate * tp)`` ranks, replicate across ``replicate`` of them."""
     tp: int = 1
     """Tensor-parallel degree inside each block (heads and MLP hidden units split); 1 is off."""
+    pp: int = 1
+    """Pipeline-parallel degree: the blocks cut into stages over a ``pp`` mesh dim (see :mod:`~shardwise.train.pipeline`); 1 is off."""
+    pp_schedule: str = DEFAULT_SCHEDULE
+    """``--pp``'s schedule, one of :data:`~shardwise.train.pipeline.SCHEDULES` (single-stage: one stage per rank; else two)."""
+    pp_microbatches: int | None = None
+    """Microbatches per step under ``--pp`` (each ``batch_size / pp_microbatches`` sequences); ``None``: the number of stages."""
     ac: str = "none"
     """Activation checkpointing of every block: ``none``, ``full`` or ``selective``."""
     compile: bool = False
@@ -145,6 +152,36 @@ class TrainConfig:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         self._check_checkpointing()
         self._check_fault_tolerance()
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        stages_per_rank(self.pp_schedule)  # a known schedule
+        named = [f for f, on in (("--pp-schedule", self.pp_schedule != DEFAULT_SCHEDULE),
+                                 ("--pp-microbatches", self.pp_microbatches is not None)) if on]
+        if self.pp == 1:
+            if named:
+                raise ValueError(f"{', '.join(named)} configure pipeline parallelism: add --pp N")
+            return
+        clashes = [flag for flag, on in (("--grad-accum", self.grad_accum > 1), ("--auto", self.auto),
+                                         ("--fault-tolerance", self.fault_tolerance != "none"),
+                                         ("--float8", self.float8), ("--report", self.report is not None)) if on]
+        if clashes:
+            raise ValueError(f"--pp with {', '.join(clashes)} is not supported: a pipeline's microbatches are its "
+                             "gradient accumulation (--pp-microbatches); drop one of them")
+        m = self.n_microbatches
+        if m < 1 or self.batch_size % m:
+            raise ValueError(f"--pp-microbatches {m} must divide --batch-size {self.batch_size} "
+                             "(each microbatch is batch_size / pp_microbatches sequences)")
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all (``pp`` x stages per rank of the schedule)."""
+        return self.pp * stages_per_rank(self.pp_schedule)
+
+    @property
+    def n_microbatches(self) -> int:
+        """Microbatches per step of ``--pp`` (``pp_microbatches``, else one per stage)."""
+        return self.pp_microbatches if self.pp_microbatches is not None else self.n_stages
 
     def _check_model(self) -> None:
         if self.hf_config is not None and self.hf_model is not None:
@@ -155,7 +192,7 @@ class TrainConfig:
                              "model / parallelism flags")
 
     def _check_parallelism(self) -> None:
-        for name in ("replicate", "tp", "grad_accum"):
+        for name in ("replicate", "tp", "pp", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size % self.grad_accum:
@@ -221,7 +258,7 @@ class TrainConfig:
 
     def check_world(self, world_size: int) -> None:
         """What depends on the number of ranks; raises ``ValueError`` before any rank starts work."""
-        dims = mesh_dims(world_size, self.replicate, self.tp)
+        dims = mesh_dims(world_size, self.replicate, self.tp, self.pp)
         shard = dims.get("dp", dims.get("dp_shard"))
         raf = self.reshard_after_forward
         if not isinstance(raf, bool) and shard % raf:

@@ -7,12 +7,14 @@ group (NCCL on GPUs, gloo on CPU) and the meshes of the run::
 
     env = setup("auto")                     # under torchrun, or with a process group already initialised
     env = setup("auto", replicate=2, tp=2)  # 8 ranks: a (2, 2, 2) mesh (dp_replicate, dp_shard, tp)
+    env = setup("auto", pp=2, tp=2)         # 8 ranks: a (2, 2, 2) mesh (pp, dp, tp)
 
-The world mesh has only the dims that are used, in the order ``dp_replicate, dp_shard, tp``
-(tensor parallelism innermost, so a TP group is adjacent ranks: one host's fast links).
-``env.mesh`` is what ``fully_shard`` gets: ``dp`` (1-D FSDP) or ``(dp_replicate, dp_shard)``
-(HSDP); ``env.tp_mesh`` is the ``tp`` dim or ``None``. Ranks of one TP group train on the
-same batch, so data is sliced by ``env.dp_rank`` of ``env.dp_size``.
+The world mesh has only the dims that are used, in the order ``pp, dp_replicate, dp_shard,
+tp`` (tensor parallelism innermost, so a TP group is adjacent ranks: one host's fast links;
+pipeline stages outermost, torchtitan's order). ``env.mesh`` is what ``fully_shard`` gets:
+``dp`` (1-D FSDP) or ``(dp_replicate, dp_shard)`` (HSDP); ``env.tp_mesh`` and
+``env.pp_mesh`` are the ``tp`` and ``pp`` dims or ``None``. Ranks of one TP group, and of
+one pipeline, train on the same batch, so data is sliced by ``env.dp_rank`` of ``env.dp_size``.
     ...train...
     teardown(env)
 
@@ -60,6 +62,8 @@ class DistEnv:
     """True when :func:`setup` created the default process group (so :func:`teardown` destroys it)."""
     tp_mesh: DeviceMesh | None = None
     """The tensor-parallel dim of the world mesh, or ``None`` without ``--tp``."""
+    pp_mesh: DeviceMesh | None = None
+    """The pipeline-parallel dim of the world mesh, or ``None`` without ``--pp``."""
     replica_group: int = 0
     """``--fault-tolerance torchft``: which replica group (one torchrun job) this process belongs to."""
     replica_groups: int = 1
@@ -70,14 +74,20 @@ class DistEnv:
         return 1 if self.tp_mesh is None else self.tp_mesh.size()
 
     @property
+    def pp_size(self) -> int:
+        return 1 if self.pp_mesh is None else self.pp_mesh.size()
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel ranks of the whole job (every replica group's): each draws its own slice of the global batch."""
-        return self.world_size // self.tp_size * self.replica_groups
+        return self.world_size // (self.tp_size * self.pp_size) * self.replica_groups
 
     @property
     def dp_rank(self) -> int:
-        """Which slice of the global batch this rank trains on (the same for a whole TP group)."""
-        return self.replica_group * (self.world_size // self.tp_size) + self.rank // self.tp_size
+        """Which slice of the global batch this rank trains on (the same for a whole TP group and
+        a whole pipeline: ``pp`` is the mesh's outermost dim, ``tp`` its innermost)."""
+        per_group = self.world_size // (self.tp_size * self.pp_size)
+        return self.replica_group * per_group + self.rank % (self.world_size // self.pp_size) // self.tp_size
 
     @property
     def is_main(self) -> bool:
@@ -138,35 +148,41 @@ def _init_default_group(backend: str, device_id: torch.device | None) -> None:
                             rank=rank, world_size=world_size, device_id=device_id)
 
 
-def mesh_dims(world_size: int, replicate: int = 1, tp: int = 1) -> dict[str, int]:
-    """``{dim name: size}`` of the world mesh for ``replicate`` x ``tp`` over ``world_size`` ranks.
+def mesh_dims(world_size: int, replicate: int = 1, tp: int = 1, pp: int = 1) -> dict[str, int]:
+    """``{dim name: size}`` of the world mesh for ``pp`` x ``replicate`` x ``tp`` over ``world_size`` ranks.
 
     Raises:
-        ValueError: ``replicate * tp`` does not divide ``world_size``.
+        ValueError: ``pp * replicate * tp`` does not divide ``world_size``.
     """
-    if replicate < 1 or tp < 1 or world_size % (replicate * tp):
+    if pp < 1 or replicate < 1 or tp < 1 or world_size % (pp * replicate * tp):
         raise ValueError(
-            f"--replicate {replicate} x --tp {tp} must divide the {world_size} ranks "
-            f"(the mesh is replicate x shard x tp); choose sizes whose product divides {world_size}"
+            f"--pp {pp} x --replicate {replicate} x --tp {tp} must divide the {world_size} ranks "
+            f"(the mesh is pp x replicate x shard x tp); choose sizes whose product divides {world_size}"
         )
-    shard = world_size // (replicate * tp)
+    shard = world_size // (pp * replicate * tp)
+    dims = {"pp": pp} if pp > 1 else {}
     if replicate == 1:
-        dims = {"dp": shard}
+        dims["dp"] = shard
     else:
-        dims = {"dp_replicate": replicate, "dp_shard": shard}
+        dims.update(dp_replicate=replicate, dp_shard=shard)
     return {**dims, "tp": tp} if tp > 1 else dims
 
 
-def _build_meshes(device_type: str, world_size: int, replicate: int, tp: int) -> tuple[DeviceMesh, DeviceMesh | None]:
-    dims = mesh_dims(world_size, replicate, tp)
+_NOT_DP = ("pp", "tp")
+
+
+def _build_meshes(device_type: str, world_size: int, replicate: int, tp: int, pp: int) -> dict[str, DeviceMesh | None]:
+    """``{"dp": the data-parallel mesh, "tp": ..., "pp": ...}`` (``None`` for a dim not used)."""
+    dims = mesh_dims(world_size, replicate, tp, pp)
     world = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     if len(dims) == 1:
-        return world, None
-    dp_names = tuple(n for n in dims if n != "tp")
-    return world[dp_names if len(dp_names) > 1 else dp_names[0]], world["tp"] if tp > 1 else None
+        return {"dp": world, "tp": None, "pp": None}
+    dp_names = tuple(n for n in dims if n not in _NOT_DP)
+    return {"dp": world[dp_names if len(dp_names) > 1 else dp_names[0]],
+            **{name: world[name] if name in dims else None for name in _NOT_DP}}
 
 
-def setup(device: str = "auto", num_threads: int | None = None, replicate: int = 1, tp: int = 1) -> DistEnv:
+def setup(device: str = "auto", num_threads: int | None = None, replicate: int = 1, tp: int = 1, pp: int = 1) -> DistEnv:
     """Initialise (or adopt) the default process group and build this rank's :class:`DistEnv`.
 
     Args:
@@ -175,6 +191,7 @@ def setup(device: str = "auto", num_threads: int | None = None, replicate: int =
             an even share of the cores, since several ranks each using every core mostly contend.
         replicate: HSDP replicas (``--replicate``); 1 is plain FSDP.
         tp: tensor-parallel degree (``--tp``); 1 is none.
+        pp: pipeline-parallel degree (``--pp``); 1 is none.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
@@ -188,8 +205,8 @@ def setup(device: str = "auto", num_threads: int | None = None, replicate: int =
         if not is_under_launcher():
             raise RuntimeError("no process group: run under torchrun (or `shardwise train`, which launches it)")
         _init_default_group("nccl" if on_gpu else "gloo", dev if on_gpu else None)
-    mesh, tp_mesh = _build_meshes(dev.type, dist.get_world_size(), replicate, tp)
-    env = DistEnv(dist.get_rank(), dist.get_world_size(), dev, mesh, owns, tp_mesh)
+    meshes = _build_meshes(dev.type, dist.get_world_size(), replicate, tp, pp)
+    env = DistEnv(dist.get_rank(), dist.get_world_size(), dev, meshes["dp"], owns, meshes["tp"], meshes["pp"])
     logger.info(
         "rank %d/%d on %s (backend %s, %d threads)",
         env.rank, env.world_size, dev, dist.get_backend(), torch.get_num_threads(),

@@ -30,12 +30,18 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-__all__ = ["TP_FAMILIES", "HFSpec", "config_path", "read_config_dict"]
+from shardwise.train.pipeline import pruned, stage_blocks
+
+__all__ = ["TP_FAMILIES", "PP_FAMILIES", "HFSpec", "HFStage", "config_path", "read_config_dict"]
 
 logger = logging.getLogger(__name__)
 
 TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """``model_type``s whose blocks have a tensor-parallel plan (:meth:`HFSpec.tp_plan`)."""
+
+PP_FAMILIES = TP_FAMILIES
+"""``model_type``s that ``--pp`` splits into stages (:meth:`HFSpec.stage_module`): their base
+model's forward takes ``inputs_embeds`` as it is and runs ``embed_tokens``, ``layers``, ``norm``."""
 
 DEFAULT_SEQ_LEN = 256
 """Sequence length when ``--seq-len`` is not given (capped by ``max_position_embeddings``)."""
@@ -133,6 +139,28 @@ class HFSpec:
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens).logits  # (B, T, vocab)
 
+    def check_pp(self, n_stages: int) -> None:
+        c = self.config
+        if c.model_type not in PP_FAMILIES:
+            raise ValueError(f"--pp: shardwise train splits {PP_FAMILIES} into pipeline stages, not "
+                             f"model_type {c.model_type!r}; drop --pp")
+        if getattr(c, "tie_word_embeddings", False):
+            raise ValueError("--pp: the config ties its input embeddings and lm_head (tie_word_embeddings), "
+                             "which would sit on the first and the last stage; untie them or drop --pp")
+        if self.n_layers < n_stages:
+            raise ValueError(f"--pp: the model has {self.n_layers} decoder layers, too few for {n_stages} "
+                             "pipeline stages; use a smaller --pp or a single-stage --pp-schedule")
+
+    def stage_module(self, model: nn.Module, keep: range, first: bool, last: bool) -> nn.Module:
+        """A pipeline stage: :class:`HFStage` over a pruned copy of the base model (its layers of
+        ``keep``, the embeddings when ``first``, the final norm when ``last``) and ``lm_head``."""
+        prefix = model.base_model_prefix
+        base = getattr(model, prefix)
+        base = pruned(base, {"embed_tokens": base.embed_tokens if first else None,
+                             "layers": stage_blocks(base.layers, keep),
+                             "norm": base.norm if last else nn.Identity()})
+        return HFStage(prefix, base, model.lm_head if last else None, first)
+
     def init_module(self, model: nn.Module, name: str, module: nn.Module) -> None:
         """Transformers' own initialisation of one module's direct parameters and buffers."""
         model._init_weights(module)
@@ -178,6 +206,28 @@ class HFSpec:
 
     def weights(self) -> SafetensorsWeights | None:
         return None if self.weights_dir is None else SafetensorsWeights(self.weights_dir)
+
+
+class HFStage(nn.Module):
+    """One pipeline stage of a Transformers causal LM, under the model's own parameter names
+    (``model.layers.3...``, ``lm_head.weight``).
+
+    The first stage maps token ids to hidden states through the (pruned) base model, a later
+    one maps hidden states to hidden states (``inputs_embeds``: the base model's embedding is
+    not run), and the last also applies ``lm_head``: logits ``(B, T, vocab)``.
+    """
+
+    def __init__(self, prefix: str, base: nn.Module, lm_head: nn.Module | None, first: bool) -> None:
+        super().__init__()
+        self.prefix, self.first = prefix, first
+        self.add_module(prefix, base)
+        self.lm_head = lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = getattr(self, self.prefix)
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        hidden = base(**inputs, use_cache=False).last_hidden_state
+        return hidden if self.lm_head is None else self.lm_head(hidden)
 
 
 class SafetensorsWeights:

@@ -22,6 +22,7 @@ or from Python, inside an already-initialised process group (one rank is enough)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -37,7 +38,7 @@ from torch import nn
 from shardwise.clip import clip_grad_norm_
 from shardwise.faults import monitor
 from shardwise.train import summary
-from shardwise.train.build import build_sharded
+from shardwise.train.build import build_pipelined, build_sharded
 from shardwise.train.checkpointing import RunCheckpoints
 from shardwise.train.config import TrainConfig, TrainResult
 from shardwise.train.data import BatchSampler, load_corpus
@@ -47,6 +48,7 @@ from shardwise.train.float8 import precompute_scales
 from shardwise.train.metrics import MetricsLog
 from shardwise.train.model import GPT
 from shardwise.train.models import ModelSpec, model_spec, param_count
+from shardwise.train.pipeline import Pipeline
 from shardwise.train.preflight import preflight
 from shardwise.train.schedule import build_scheduler
 from shardwise.train.signals import StopRequest, stop_on_signals
@@ -71,7 +73,8 @@ HELD_OUT = 0.1
 
 
 def build_model(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Module:
-    """The model of ``spec``, initialised identically on every rank, parallelised and sharded as ``cfg`` says."""
+    """The model of ``spec``, initialised identically on every rank, parallelised and sharded as ``cfg`` says
+    (without ``--pp``: see :func:`~shardwise.train.build.build_pipelined`)."""
     if cfg.auto:
         torch.manual_seed(cfg.seed)
         return auto_shard_model(GPT(cfg.model_config()).to(env.device), cfg, env)
@@ -105,6 +108,7 @@ class StepOptions:
     clip_norm: float | None = None  # clip the global grad norm to this
     want_norm: bool = False  # compute the global grad norm even without clipping (TensorBoard)
     after_step: Callable[[nn.Module], None] | None = None  # after optimizer.step() (--float8: precompute_scales)
+    pipeline: Pipeline | None = None  # --pp: the schedule runs forward and backward over this rank's stages
 
 
 def train_step(
@@ -117,8 +121,27 @@ def train_step(
     gradients accumulate unsharded); the last reduces the sum once. Each micro-batch's loss is
     divided by ``grad_accum``, so the step equals one over the whole batch up to float rounding.
     """
-    k = opts.grad_accum
     optimizer.zero_grad(set_to_none=True)
+    if opts.pipeline is not None:
+        total = opts.pipeline.run(x, y)
+    else:
+        total = _accumulated_backward(model, x, y, opts)
+    norm = None
+    if opts.clip_norm is not None or opts.want_norm:
+        max_norm = opts.clip_norm if opts.clip_norm is not None else math.inf
+        if opts.pipeline is not None:
+            norm = opts.pipeline.clip(list(model.parameters()), max_norm)
+        else:
+            norm = clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    if opts.after_step is not None:
+        opts.after_step(model)
+    return total, norm
+
+
+def _accumulated_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, opts: StepOptions) -> torch.Tensor:
+    """Forward and backward over ``opts.grad_accum`` micro-batches; the mean loss (detached)."""
+    k = opts.grad_accum
     total = torch.zeros((), device=x.device)
     for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
         if k > 1:
@@ -127,13 +150,7 @@ def train_step(
         loss = F.cross_entropy(logits.flatten(0, 1).float(), ym.flatten())  # (b*T, vocab) vs (b*T,)
         (loss / k if k > 1 else loss).backward()
         total += loss.detach() / k
-    norm = None
-    if opts.clip_norm is not None or opts.want_norm:
-        norm = clip_grad_norm_(model.parameters(), opts.clip_norm if opts.clip_norm is not None else math.inf)
-    optimizer.step()
-    if opts.after_step is not None:
-        opts.after_step(model)
-    return total, norm
+    return total
 
 
 def mean_across_ranks(value: float, device: torch.device) -> float:
@@ -191,9 +208,13 @@ def _evaluate(job: _Run, cfg: TrainConfig, env: DistEnv) -> float:
     """Mean loss over ranks on :data:`EVAL_BATCHES` fixed held-out micro-batches."""
     sampler = BatchSampler(job.held_out, cfg.micro_batch_size, job.sampler.seq_len, cfg.seed + 1, env.dp_rank, env.dp_size)
     total = 0.0
+    pipeline = job.step_opts.pipeline
     with torch.no_grad():
         for _ in range(EVAL_BATCHES):
             x, y = sampler.next_batch(env.device)
+            if pipeline is not None:
+                total += pipeline.run(x, y, train=False).item()
+                continue
             logits = job.step_opts.logits(job.model, x)
             total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).item()
     return mean_across_ranks(total / EVAL_BATCHES, env.device)
@@ -328,7 +349,10 @@ def _split_corpus(tokens: torch.Tensor, cfg: TrainConfig, seq_len: int) -> tuple
 def _setup_run(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[_Run, int]:
     """The model, optimizer, data and observers of a run, resumed when asked; and the step to start after."""
     train_tokens, held_out = _split_corpus(spec.tokens(load_corpus(cfg.data, cfg.data_bytes)), cfg, spec.seq_len)
-    model = build_model(cfg, env, spec)
+    if cfg.pp > 1:  # this rank's stages (their union) and the schedule that runs them
+        model, pipeline = build_pipelined(cfg, env, spec)
+    else:
+        model, pipeline = build_model(cfg, env, spec), None
     optimizer = build_optimizer(model, cfg.lr)
     scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
     sampler = BatchSampler(train_tokens, cfg.batch_size, spec.seq_len, cfg.seed, env.dp_rank, env.dp_size)
@@ -336,7 +360,7 @@ def _setup_run(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[_Run, i
     start_step = checkpoints.resume(cfg.resume)
     tensorboard = TensorBoardLog(cfg.tensorboard, env.is_main)
     opts = StepOptions(spec.logits, cfg.grad_accum, cfg.clip_norm, want_norm=tensorboard.enabled,
-                       after_step=precompute_scales if cfg.float8 else None)
+                       after_step=precompute_scales if cfg.float8 else None, pipeline=pipeline)
     replicas = None
     if cfg.fault_tolerance == "torchft":
         replicas = attach(cfg, env, model, optimizer, scheduler, sampler, start_step)
@@ -370,8 +394,10 @@ def train(
     if tally is not None:
         tally.reset()
     setup_s = time.perf_counter() - t0
+    pipeline = job.step_opts.pipeline
     try:
-        losses, wall_s = _run_steps(job, cfg, env, start_step, on_step, stop)
+        with pipeline.fsdp_names() if pipeline is not None else contextlib.nullcontext():
+            losses, wall_s = _run_steps(job, cfg, env, start_step, on_step, stop)
     finally:
         job.metrics.close()
         job.tensorboard.close()
@@ -425,7 +451,7 @@ def run(cfg: TrainConfig) -> TrainResult:
     be (a waiter inside a collective that never completes), the process ends at once with
     the exit code it would have had (:func:`~shardwise.train.distributed.leave`).
     """
-    env = setup(cfg.device, replicate=cfg.replicate, tp=cfg.tp)
+    env = setup(cfg.device, replicate=cfg.replicate, tp=cfg.tp, pp=cfg.pp)
     with stop_on_signals() as stop:
         try:
             result = _train_and_report(cfg, env, stop)

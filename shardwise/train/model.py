@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.train.pipeline import pruned, stage_blocks
+
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "PRESETS", "count_params"]
 
 
@@ -181,15 +183,36 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, T, vocab)`` of token ids ``(B, T)``.
+
+        A pipeline stage (:mod:`~shardwise.train.pipeline`) is a copy without some parts: with no
+        ``tok_embeddings`` its input is the previous stage's hidden states ``(B, T, C)``; with no
+        ``output`` it returns its hidden states.
+        """
+        if self.tok_embeddings is None:
+            x = tokens  # (B, T, C) from the previous stage
+        else:
+            x = self._embed(tokens)
+        for block in self.layers:
+            x = block(x)  # (B, T, C)
+        if self.output is None:
+            return x
+        return self.output(self.norm(x))  # (B, T, vocab_size)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         B, T = tokens.shape  # batch, time
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len={self.cfg.seq_len}")
         positions = torch.arange(T, device=tokens.device)  # (T,)
         x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)  # (B, T, C) + (T, C) -> (B, T, C)
-        x = self.dropout(x)
-        for block in self.layers:
-            x = block(x)  # (B, T, C)
-        return self.output(self.norm(x))  # (B, T, vocab_size)
+        return self.dropout(x)
+
+    def stage(self, keep: range, first: bool, last: bool) -> "GPT":
+        """A pipeline stage of this model: the blocks of ``keep`` (the others' places held), the
+        embeddings when ``first``, the final norm and head when ``last``; names unchanged."""
+        ends = {"tok_embeddings": first, "pos_embeddings": first, "norm": last, "output": last}
+        return pruned(self, {"layers": stage_blocks(self.layers, keep),
+                             **{name: getattr(self, name) if kept else None for name, kept in ends.items()}})
 
 
 def count_params(cfg: GPTConfig) -> int:

@@ -37,6 +37,8 @@ class ModelSpec(Protocol):
     def describe(self, n_params: int) -> str: ...
     def build(self) -> nn.Module: ...
     def blocks(self, model: nn.Module) -> nn.ModuleList: ...
+    def check_pp(self, n_stages: int) -> None: ...
+    def stage_module(self, model: nn.Module, keep: range, first: bool, last: bool) -> nn.Module: ...
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor: ...
     def init_module(self, model: nn.Module, name: str, module: nn.Module) -> None: ...
     def check_tp(self, tp: int) -> None: ...
@@ -78,6 +80,17 @@ class GPTSpec:
 
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens)
+
+    def check_pp(self, n_stages: int) -> None:
+        if self.cfg.tie_weights:
+            raise ValueError("--pp: the GPT ties its embedding and head, which would sit on the first and the "
+                             "last stage; drop tie_weights or --pp")
+        if self.cfg.n_layers < n_stages:
+            raise ValueError(f"--pp: the {self.preset} GPT has {self.cfg.n_layers} blocks, too few for {n_stages} "
+                             "pipeline stages; use a bigger preset, a smaller --pp or a single-stage --pp-schedule")
+
+    def stage_module(self, model: nn.Module, keep: range, first: bool, last: bool) -> nn.Module:
+        return model.stage(keep, first, last)
 
     def init_module(self, model: nn.Module, name: str, module: nn.Module) -> None:
         """GPT-2's initialisation of one module (what :meth:`GPT.reset_parameters` does to each)."""

@@ -2,7 +2,7 @@
 
 :class:`~shardwise.train.config.TrainConfig` checks its fields alone when it is built;
 :func:`preflight` checks what it cannot see: the mesh against the ranks, the model's
-config file, the tensor-parallel plan against the model, the optional TensorBoard and
+config file, the tensor-parallel plan and the pipeline's stages against the model, the optional TensorBoard and
 torchao packages (with a float8-capable GPU), and that ``--resume`` continues a
 checkpoint of the same model. The CLI runs it once before launching the ranks (so a
 typo costs no process start), and :func:`train` again on every rank under torchrun.
@@ -28,6 +28,8 @@ def preflight(cfg: TrainConfig, world_size: int) -> ModelSpec:
     spec = model_spec(cfg)  # reads --hf-config / --hf-model: a missing path fails here
     if cfg.tp > 1:
         spec.check_tp(cfg.tp)
+    if cfg.pp > 1:
+        spec.check_pp(cfg.n_stages)
     if cfg.tensorboard is not None:
         require_tensorboard()
     if cfg.float8:
