@@ -25,11 +25,21 @@ from bench.cases import Case, Settings  # noqa: E402
 from bench.cli import build_parser, main, plan  # noqa: E402
 from bench.compile import format_table as compile_table  # noqa: E402
 from bench.compile import main as compile_main  # noqa: E402
+from bench import launch as bench_launch  # noqa: E402
 from bench.memory import _ORIGINAL_RESIZE, PeakMemory  # noqa: E402
 from bench.report import above_floor_ratio  # noqa: E402
 from bench.stats import percentile, spread, worst_rank  # noqa: E402
 from bench.wire import count_events, read_wchar, theoretical_min  # noqa: E402
 from shardwise.testing import CommEvent, run_on_ranks  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ranks_fork_from_the_warm_server():
+    """The bench's launches fork their ranks from the pools' fork server (torch and shardwise
+    imported once) instead of spawning interpreters that each import them again."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench_launch, "START_METHOD", "forkserver")
+        yield
 
 # ---------------------------------------------------------------- arithmetic
 
