@@ -25,11 +25,21 @@ from bench.cases import Case, Settings  # noqa: E402
 from bench.cli import build_parser, main, plan  # noqa: E402
 from bench.compile import format_table as compile_table  # noqa: E402
 from bench.compile import main as compile_main  # noqa: E402
+from bench import launch as bench_launch  # noqa: E402
 from bench.memory import _ORIGINAL_RESIZE, PeakMemory  # noqa: E402
 from bench.report import above_floor_ratio  # noqa: E402
 from bench.stats import percentile, spread, worst_rank  # noqa: E402
 from bench.wire import count_events, read_wchar, theoretical_min  # noqa: E402
 from shardwise.testing import CommEvent, run_on_ranks  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ranks_fork_from_the_warm_server():
+    """The bench's launches fork their ranks from the pools' fork server (torch and shardwise
+    imported once) instead of spawning interpreters that each import them again."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench_launch, "START_METHOD", "forkserver")
+        yield
 
 # ---------------------------------------------------------------- arithmetic
 
@@ -352,24 +362,28 @@ def test_instructions_arithmetic_and_table():
 
 def test_instructions_child_trains_each_contender_and_rejects_unknown_ones():
     """The child valgrind counts runs the stack in-process at world size 1 (an in-memory
-    store: no port), with and without the optimizer step."""
+    store: no port), with and without the optimizer step: the command line once (a fresh
+    interpreter, as valgrind starts it), the other variant forked from the warm fork server
+    (a second interpreter would only import torch again)."""
+    import multiprocessing
     import subprocess
 
     from bench.instructions import main
 
-    children = []  # both at once: each is mostly importing torch
-    for extra in ([], ["--no-optimizer"]):
-        command = [sys.executable, "-m", "bench.instructions", "--child", "shardwise.fully_shard", "--k", "2",
-                   "--warmup", "1", "--steps", "1", *extra]
-        children.append(subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True))
+    child = ["--child", "shardwise.fully_shard", "--k", "2", "--warmup", "1", "--steps", "1"]
+    command = subprocess.Popen([sys.executable, "-m", "bench.instructions", *child, "--no-optimizer"], cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    forked = multiprocessing.get_context("forkserver").Process(target=main, args=(child,))
     try:
-        for child in children:
-            _, err = child.communicate(timeout=120)
-            assert child.returncode == 0, err[-2000:]
+        forked.start()
+        forked.join(120)
+        _, err = command.communicate(timeout=120)
     finally:
-        for child in children:
-            child.kill()
-            child.wait()
+        command.kill()
+        command.wait()
+        if forked.pid is not None:
+            forked.kill()
+    assert command.returncode == 0, err[-2000:]
+    assert forked.exitcode == 0
     with pytest.raises(SystemExit, match="unknown contender"):
         main(["--contenders", "plain,nope"])

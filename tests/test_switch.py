@@ -6,7 +6,8 @@ FSDP2 names runs on shardwise.
   applying it leaves torch untouched; uninstall refuses to restore over a name rebound since;
   modules that bound torch's names before the switch are named in a warning.
 - Through a launcher: ``torch.distributed.run -m shardwise.as_torch_fsdp script.py`` gives
-  every rank shardwise's objects under torch's names, in a script that imports them at its top.
+  every rank shardwise's objects under torch's names, in a script that imports them at its top
+  (the launch is in ``./dev test --all``; ``./dev test`` runs the script runner on 2 warm ranks).
 - Through a framework: Hugging Face Accelerate's FSDP2 plugin (fsdp_version=2, transformer-layer
   auto wrap) trains a Transformers Llama via the switch bit-identically to torch's FSDP2, every
   step: loss, every gradient and every parameter (fp32; and bf16 with tied embeddings,
@@ -252,7 +253,9 @@ import json, os, sys
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-dist.init_process_group("gloo")
+launched = not dist.is_initialized()  # a warm test rank is inside its world already
+if launched:
+    dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
 fully_shard(model[0], mp_policy=MixedPrecisionPolicy())
@@ -265,10 +268,39 @@ with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
         "model_class": type(model).__module__, "is_fsdp_module": isinstance(model[0], FSDPModule),
         "grad": type(model[0].weight.grad).__name__,
     }, f)
-dist.destroy_process_group()
+if launched:
+    dist.destroy_process_group()
 '''
+SEEN = {
+    "name": "__main__", "fully_shard": "shardwise.fully_shard", "FSDPModule": "shardwise.module",
+    "model_class": "shardwise.fully_shard", "is_fsdp_module": True, "grad": "DTensor",
+}  # fmt: skip
 
 
+def _script_in_this_rank(script: str, out_dir: str) -> dict:
+    """``python -m shardwise.as_torch_fsdp SCRIPT OUT_DIR --lr 3e-4`` in this warm rank; the
+    rank's argv, path and torch's names are restored after."""
+    from shardwise import as_torch_fsdp
+
+    argv, path = list(sys.argv), list(sys.path)
+    try:
+        as_torch_fsdp.main([script, out_dir, "--lr", "3e-4"])
+    finally:
+        sys.argv[:], sys.path[:] = argv, path
+        shardwise.uninstall_as_torch_fsdp()
+    return json.loads(open(os.path.join(out_dir, f"rank{dist.get_rank()}.json")).read())
+
+
+def test_an_unedited_script_gets_shardwise_in_every_rank(tmp_path):
+    """The script runner of ``shardwise.as_torch_fsdp`` on 2 ranks (the warm ones: the launch
+    through torchrun is the next test, in ``./dev test --all``)."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    for rank, seen in enumerate(run_on_ranks(_script_in_this_rank, 2, str(script), str(tmp_path), timeout=TIMEOUT)):
+        assert seen == {**SEEN, "argv": [str(tmp_path), "--lr", "3e-4"]}, f"rank {rank}"
+
+
+@pytest.mark.launches
 def test_torchrun_launched_script_gets_shardwise_in_every_rank(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -280,11 +312,7 @@ def test_torchrun_launched_script_gets_shardwise_in_every_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert seen == {
-            "name": "__main__", "argv": [str(tmp_path), "--lr", "3e-4"],
-            "fully_shard": "shardwise.fully_shard", "FSDPModule": "shardwise.module",
-            "model_class": "shardwise.fully_shard", "is_fsdp_module": True, "grad": "DTensor",
-        }, f"rank {rank}"  # fmt: skip
+        assert seen == {**SEEN, "argv": [str(tmp_path), "--lr", "3e-4"]}, f"rank {rank}"
 
 
 # ---------------------------------------------------------------- Accelerate + Transformers, 2 ranks
