@@ -143,3 +143,26 @@ def test_without_metadata_the_usual_attribute_paths_are_tried():
         else:
             with pytest.raises(NoBlocksError, match="_no_split_modules names no classes, its ModuleLists hold none"):
                 find_blocks(model)
+
+
+# ---------------------------------------------------------------- tied weights from a model directory
+
+
+class _OnlyHead(dict):
+    """Weights by name, as a safetensors directory that saved a tied matrix under the head's name only."""
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self[name]
+
+
+def test_a_tied_weight_loads_under_whichever_of_its_names_the_directory_holds(tmp_path, single_rank):
+    from shardwise.train.build import materialize, sharded_on_meta
+
+    cfg = TrainConfig(hf_config=str(write_config(tmp_path, "qwen2", tie_word_embeddings=True)))
+    spec = model_spec(cfg)
+    model = sharded_on_meta(cfg, single_rank, spec)  # fully_shard keeps the tie (to_empty alone would not)
+    weights = _OnlyHead({n: torch.randn(p.shape) for n, p in model.named_parameters()})
+    weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")  # the first name is not in the directory
+    materialize(model, spec, torch.device("cpu"), seed=0, weights=weights)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight.full_tensor(), weights["lm_head.weight"])
