@@ -12,7 +12,9 @@ wherever the family keeps it::
     opt                          model.decoder.layers
     llama, qwen2, gemma, ...     model.layers
 
-When several lists qualify the longest is taken (a decoder beside a smaller encoder). A
+Lists inside the text decoder Transformers names (``get_decoder()``: a multimodal model's
+language model, not its vision tower) come first; among several the shallowest is taken
+(``model.layers`` before an image encoder's ``...encoder.layers``), then the longest. A
 model whose metadata names nothing that matches falls back to the usual attribute paths
 under its base model (:data:`BLOCK_PATHS`), taking a list of one repeated class. A model
 with neither is refused with what it does hold (:class:`NoBlocksError`): the run shards
@@ -28,7 +30,8 @@ from torch import nn
 
 __all__ = ["BLOCK_PATHS", "NoBlocksError", "block_class_names", "find_blocks"]
 
-BLOCK_PATHS = ("layers", "h", "blocks", "layer", "decoder.layers", "decoder.layer", "decoder.blocks")
+BLOCK_PATHS = ("layers", "h", "blocks", "layer", "decoder.layers", "decoder.layer", "decoder.blocks", "encoder.layer",
+               "encoder.layers")
 """Attribute paths under the base model tried when ``_no_split_modules`` finds no blocks."""
 
 
@@ -60,9 +63,24 @@ def _element_classes(blocks: nn.ModuleList) -> list[str]:
     return sorted({type(_unwrapped(m)).__name__ for m in blocks})
 
 
+def _decoder(model: nn.Module) -> nn.Module | None:
+    """The text decoder Transformers names (``get_decoder``): a multimodal model's language model."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    return decoder if isinstance(decoder, nn.Module) else None
+
+
 def _by_metadata(model: nn.Module, names: set[str]) -> nn.ModuleList | None:
-    found = [m for _, m in _module_lists(model) if all(_is_instance(b, names) for b in m)]
-    return max(found, key=len) if found else None  # max keeps the first of equal lengths
+    for scope in (_decoder(model), model):  # the decoder's blocks before a vision tower's
+        if scope is None:
+            continue
+        found = [(n.count("."), -len(m), i, m) for i, (n, m) in enumerate(_module_lists(scope))
+                 if all(_is_instance(b, names) for b in m)]
+        if found:
+            return min(found)[-1]  # the shallowest, then the longest, then the first
+    return None
 
 
 def _by_path(model: nn.Module) -> nn.ModuleList | None:
