@@ -1,15 +1,24 @@
-"""The ``shardwise`` command line.
+"""The ``shardwise`` command line: ``train``, ``export``, ``plan``, ``report``.
 
-``shardwise train`` trains a GPT preset or a Transformers causal LM on the Python standard
-library's sources with ``fully_shard``. Run from a plain shell it starts torch's own launcher
-for you, which in turn runs this same command once per rank::
+``shardwise train`` trains a causal language model with ``fully_shard``: a GPT preset
+(``--model``) or any Transformers causal LM, built from a local ``config.json``
+(``--hf-config``, random weights) or loaded from a local model directory (``--hf-model``,
+its safetensors and tokenizer). Its blocks, one FSDP unit each, are the layers the model's
+own ``_no_split_modules`` names. It reads text (``--data``; default: the Python standard
+library's sources), shards over the data-parallel ranks, or HSDP with ``--replicate``, adds
+tensor parallelism inside each block with ``--tp`` (Llama-family models and the presets),
+and saves and resumes DCP checkpoints (``--checkpoint-dir``, ``--resume``). ``shardwise
+export`` turns a checkpoint into a directory ``AutoModelForCausalLM.from_pretrained`` reads.
+Run from a plain shell, ``train`` starts torch's own launcher for you, which in turn runs
+this same command once per rank::
 
     shardwise train                       # = python -m torch.distributed.run --standalone
                                           #     --nproc-per-node 2 -m shardwise train
-    shardwise train --nproc 4 --model small --mixed-precision bf16
+    shardwise train --nproc 4 --model small --mixed-precision bf16 --data my_corpus/
     shardwise train --impl torch          # the same run with torch.distributed.fsdp.fully_shard
-    shardwise train --nproc 4 --hf-config llama.json --replicate 2 --ac full --grad-accum 2 \
-        --clip-norm 1 --tensorboard runs/a --checkpoint-dir ckpt
+    shardwise train --nproc 4 --hf-config gpt2.json --replicate 2 --ac full --checkpoint-dir ckpt
+    shardwise train --nproc 4 --hf-config gpt2.json --grad-accum 2 --clip-norm 1 --tensorboard runs/a
+    shardwise train --nproc 4 --hf-model llama-dir/ --tp 2 --checkpoint-dir ckpt --resume
     shardwise export ckpt out/            # a directory AutoModelForCausalLM.from_pretrained reads
     torchft_lighthouse --min_replicas 1 &  # then each replica group (torchft's fault-tolerant HSDP):
     shardwise train --fault-tolerance torchft --replica-groups 2 --replica-group-id 0 --lighthouse http://localhost:29510
@@ -81,7 +90,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("Transformers models (instead of --model; see shardwise.train.hf)")
+    g = p.add_argument_group("Transformers models (instead of --model; any causal LM whose _no_split_modules names "
+                             "its blocks: gpt2, gpt_neox, opt, falcon, bloom, phi, phi3, gemma, gemma2, llama, mistral, "
+                             "mixtral, qwen2, qwen3, qwen3_moe, ...; see shardwise.train.hf)")
     g.add_argument("--hf-config", metavar="PATH",
                    help="build a causal LM from this local config.json (or a directory holding one), random weights")
     g.add_argument("--hf-model", metavar="DIR",
@@ -161,10 +172,13 @@ def _add_fault_tolerance_args(p: argparse.ArgumentParser, d) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """``shardwise <command> [options]``: ``train``, ``plan``, ``report``, ``export``."""
-    parser = argparse.ArgumentParser(prog="shardwise", description="Fully-sharded data parallel training.")
+    parser = argparse.ArgumentParser(
+        prog="shardwise", description="Fully-sharded data parallel training: train GPT presets or Transformers causal "
+        "LMs with fully_shard, export their checkpoints to Transformers, plan sharding at scale, read step reports.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
-        "train", help="train a small GPT with fully_shard", description=__doc__,
+        "train", help="train a GPT preset or a Transformers causal LM (--hf-config/--hf-model) on text (--data) "
+        "with fully_shard: HSDP (--replicate), tensor parallel (--tp), checkpoints and resume", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
     )
     _add_train_args(train)
@@ -179,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep = commands.add_parser("report", help="print a step report's summary and top causes of exposed communication")
     rep.add_argument("dir", metavar="DIR", help="a directory written by `shardwise train --report DIR` or shardwise.report(DIR)")
     exp = commands.add_parser(
-        "export", help="write a training checkpoint as a directory Transformers loads (one process)",
+        "export", help="write a training checkpoint as a directory Transformers (or load_gpt) loads: config, "
+        "safetensors, tokenizer (one process)",
         description="Export the newest checkpoint of CHECKPOINT_DIR (or a step-N directory) to OUT_DIR: config.json, "
         "safetensors shards and the tokenizer if the run had one; AutoModelForCausalLM.from_pretrained(OUT_DIR) "
         "loads a Transformers model, GPT presets load with shardwise.train.export.load_gpt(OUT_DIR).",

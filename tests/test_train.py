@@ -147,6 +147,24 @@ def test_cli_launches_torchrun_when_not_under_it(monkeypatch):
     assert str(REPO_ROOT) in env["PYTHONPATH"].split(os.pathsep)
 
 
+def test_help_says_what_each_command_does_today():
+    """``shardwise --help``'s one-liners and ``train --help``'s description name the job's inputs and knobs."""
+    import argparse
+
+    parser = cli.build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {a.dest: a.help for a in commands._choices_actions}
+    for text in ("GPT preset", "Transformers", "--hf-config", "--data", "--replicate", "--tp", "checkpoints"):
+        assert text in helps["train"], text
+    assert "small GPT" not in helps["train"] and "Transformers" in helps["export"]
+    description = commands.choices["train"].format_help()
+    for text in ("--hf-config", "--hf-model", "_no_split_modules", "--data", "--replicate", "--tp", "--checkpoint-dir",
+                 "--resume", "shardwise export"):
+        assert text in description, text
+    for family in ("gpt2", "gpt_neox", "opt", "falcon", "bloom", "mixtral", "qwen3_moe"):
+        assert family in description, family  # the Transformers models group names the tested families
+
+
 def test_cli_rejects_bad_config_before_launching():
     with pytest.raises(SystemExit, match="steps must be >= 1"):
         cli.main(["train", "--steps", "0"])

@@ -67,6 +67,14 @@ def _train_on_rank(fields: dict) -> TrainResult:
     return train(TrainConfig(**fields), _env(fields))
 
 
+def train_keeping_model(cfg: TrainConfig, env: distributed.DistEnv) -> tuple[TrainResult, nn.Module]:
+    """:func:`train`, and the trained (sharded) model, kept as the loop builds it."""
+    built, build = [], loop.build_model
+    with mock.patch.object(loop, "build_model", lambda *args: built.append(build(*args)) or built[0]):
+        result = train(cfg, env)
+    return result, built[0]
+
+
 def _logits_on_rank(fields: dict, tokens: torch.Tensor) -> torch.Tensor:
     """The trained sharded model's logits (restored from its newest checkpoint)."""
     cfg = TrainConfig(**fields)
@@ -239,11 +247,8 @@ def _float8_on_rank(fields: dict) -> dict:
     from torchao.float8.float8_utils import tensor_to_scale
 
     cfg, env = TrainConfig(**fields), _env(fields)
-    built, build = [], loop.build_model  # the trained model, kept as the loop builds it
-    with mock.patch.object(loop, "build_model", lambda *args: built.append(build(*args)) or built[0]):
-        with _AmaxReduces() as reduces:
-            result = train(cfg, env)
-    model = built[0]
+    with _AmaxReduces() as reduces:
+        result, model = train_keeping_model(cfg, env)
     shards = {n: (type(p.to_local()).__name__, p.to_local()) for n, p in model.named_parameters()}
     scales = [(p._local_tensor._precomputed_scale, tensor_to_scale(p.full_tensor(), torch.float8_e4m3fn))
               for n, p in model.named_parameters() if shards[n][0] == FLOAT8_WEIGHT]

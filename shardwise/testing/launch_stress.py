@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from shardwise.testing.crash_signs import NATIVE_CRASH, loud_crash_env
+from shardwise.testing.hf_families import tiny_config
 from shardwise.testing.jobs import kill_job
 
 __all__ = ["Launch", "Outcome", "launches", "run_launch", "main"]
@@ -44,11 +45,7 @@ RUN_ARGS = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--data-byte
 
 PRESETS = ("nano", "tiny")
 HF_CONFIGS: dict[str, dict] = {  # small configs of Transformers' families (about 35 K parameters)
-    family: {"model_type": family, "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "max_position_embeddings": 64, "tie_word_embeddings": False,
-             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-    for family in ("llama", "phi3", "qwen2", "mistral")
+    family: tiny_config(family, tie_word_embeddings=False) for family in ("llama", "phi3", "qwen2", "mistral", "gpt2")
 }
 WORLD_SIZES = (2, 4)
 LAUNCH_TIMEOUT_S = 600.0

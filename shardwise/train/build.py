@@ -40,7 +40,7 @@ __all__ = ["build_sharded", "sharded_on_meta", "build_pipelined", "materialize"]
 logger = logging.getLogger(__name__)
 
 Weights = Callable[[str], torch.Tensor]
-"""Full tensor by (plain) parameter name, e.g. :class:`~shardwise.train.hf.SafetensorsWeights`."""
+"""Full tensor by (plain) parameter name, and ``name in weights``, e.g. :class:`~shardwise.train.hf.SafetensorsWeights`."""
 
 
 def build_sharded(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Module:
@@ -135,6 +135,7 @@ def materialize(
     for root in parts or [model]:
         root.to_empty(device=device)  # through each FSDP root: its sharded parameters move with it
     torch.manual_seed(seed)
+    names = _names_by_param(model)  # a tied parameter's every name: a checkpoint may hold any one of them
     seen: set[int] = set()  # tied parameters are set once, through their first name
     held = None if parts is None else {id(m) for part in parts for m in part.modules()}
     for name, module in model.named_modules():
@@ -150,8 +151,8 @@ def materialize(
             continue
         seen.update(id(p) for p in params.values())
         if weights is not None:
-            for n, p in params.items():
-                _copy_shard(p, _loaded(weights, f"{name}.{n}" if name else n, p).to(device=device, dtype=p.dtype))
+            for p in params.values():
+                _copy_shard(p, _loaded(weights, names[id(p)], p).to(device=device, dtype=p.dtype))
             continue
         temps = _initialised(spec, model, name, module, params, device)
         for n, p in params.items():
@@ -181,7 +182,17 @@ def _initialised(
     return temps
 
 
-def _loaded(weights: Weights, name: str, param: torch.Tensor) -> torch.Tensor:
+def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
+    """Every plain name of each parameter (tied ones have several), first name first."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(plain_name(name))
+    return names
+
+
+def _loaded(weights: Weights, names: list[str], param: torch.Tensor) -> torch.Tensor:
+    """The tensor of the first of ``names`` the weights hold (Transformers saves one name of tied weights)."""
+    name = next((n for n in names if n in weights), names[0])
     tensor = weights(name)
     if tuple(tensor.shape) != tuple(param.shape):
         raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} in the model directory, "

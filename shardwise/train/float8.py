@@ -10,7 +10,10 @@ other parallelism::
 
 **Which linears.** Only those inside the blocks whose both dimensions are multiples of 16
 (:func:`converts`; float8 matmuls need them): the embeddings, the final norm and the
-output head stay in high precision, as torchtitan leaves ``output`` out.
+output head stay in high precision, as torchtitan leaves ``output`` out. GPT-2's
+``Conv1D`` (a linear whose weight is stored ``(in, out)``, the transpose of ``nn.Linear``'s)
+is not an ``nn.Linear`` and stays in high precision too: torchao converts ``nn.Linear``
+only, and swapping the layer would change the weights' shapes in checkpoints and exports.
 
 **The all-gather.** ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)`` makes each
 converted weight a ``WeightWithDynamicFloat8CastTensor``, which both ``fully_shard``\\ s keep
@@ -82,9 +85,9 @@ def convert_to_float8(blocks: nn.ModuleList) -> int:
     for block in blocks:
         convert_to_float8_training(block, config=config, module_filter_fn=converts)
     swapped = sum(isinstance(m, Float8Linear) for block in blocks for m in block.modules())
-    skipped = sum(type(m) is nn.Linear for block in blocks for m in block.modules())
+    skipped = sum(type(m) is nn.Linear or type(m).__name__ == "Conv1D" for block in blocks for m in block.modules())
     logger.info("float8: %d linears of %d blocks converted, %d left in high precision (a dimension not a "
-                "multiple of %d)", swapped, len(blocks), skipped, ALIGN)
+                "multiple of %d, or GPT-2's Conv1D)", swapped, len(blocks), skipped, ALIGN)
     return swapped
 
 

@@ -14,6 +14,10 @@ would merge bytes into one id). A vocabulary of ids that no data uses costs a li
 memory and nothing in quality for a from-scratch run; fine-tuning a pretrained model on
 bytes would be meaningless, so ``--hf-model`` without a tokenizer logs a warning.
 
+Blocks. Any causal LM Transformers builds: its blocks (the FSDP units) are the ModuleList of
+the classes its ``_no_split_modules`` names, GPT-2's ``transformer.h`` as Llama's
+``model.layers`` (:mod:`~shardwise.train.hf_blocks`).
+
 Tensor parallelism is planned for the Llama family (:data:`TP_FAMILIES`), whose blocks
 name their projections alike: ``q/k/v_proj`` and ``gate/up_proj`` column-wise, ``o_proj``
 and ``down_proj`` row-wise (Megatron's split of heads and hidden units).
@@ -30,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from shardwise.train.hf_blocks import find_blocks
 from shardwise.train.pipeline import pruned, stage_blocks
 
 __all__ = ["TP_FAMILIES", "PP_FAMILIES", "HFSpec", "HFStage", "config_path", "read_config_dict"]
@@ -130,11 +135,8 @@ class HFSpec:
         return AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
-        layers = getattr(getattr(model, model.base_model_prefix, model), "layers", None)
-        if not isinstance(layers, nn.ModuleList):
-            raise ValueError(f"{type(model).__name__} has no '{model.base_model_prefix}.layers' ModuleList of "
-                             "blocks to shard; shardwise train supports decoder-only models laid out like Llama")
-        return layers
+        """The FSDP units: the ModuleList of the classes ``_no_split_modules`` names (:mod:`~shardwise.train.hf_blocks`)."""
+        return find_blocks(model)
 
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens).logits  # (B, T, vocab)

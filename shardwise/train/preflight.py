@@ -2,7 +2,8 @@
 
 :class:`~shardwise.train.config.TrainConfig` checks its fields alone when it is built;
 :func:`preflight` checks what it cannot see: the mesh against the ranks, the model's
-config file, the tensor-parallel plan and the pipeline's stages against the model, the optional TensorBoard and
+config file, that the model (built on the meta device: no memory) has blocks to shard,
+the tensor-parallel plan and the pipeline's stages against the model, the optional TensorBoard and
 torchao packages (with a float8-capable GPU), and that ``--resume`` continues a
 checkpoint of the same model. The CLI runs it once before launching the ranks (so a
 typo costs no process start), and :func:`train` again on every rank under torchrun.
@@ -11,6 +12,8 @@ message names the flag and the fix.
 """
 
 from __future__ import annotations
+
+import torch
 
 from shardwise.train.checkpointing import check_same_model
 from shardwise.train.config import TrainConfig
@@ -26,6 +29,8 @@ def preflight(cfg: TrainConfig, world_size: int) -> ModelSpec:
     """Raise on anything that would fail once ranks run; returns the model's spec."""
     cfg.check_world(world_size)
     spec = model_spec(cfg)  # reads --hf-config / --hf-model: a missing path fails here
+    with torch.device("meta"):
+        spec.blocks(spec.build())  # a model with no recognisable blocks fails here, not in every rank
     if cfg.tp > 1:
         spec.check_tp(cfg.tp)
     if cfg.pp > 1:
