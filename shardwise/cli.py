@@ -63,8 +63,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     add("--device", choices=("auto", "cpu", "cuda"), default=d.device,
         help="auto: a GPU per rank when there are enough, else CPU (default %(default)s)")
     add("--data", default=d.data, metavar="PATH",
-        help="text file or directory to train on (default: the Python stdlib's .py sources)")
-    add("--data-bytes", type=int, default=d.data_bytes, help="read at most this many bytes (default %(default)s)")
+        help="a directory written by `shardwise data prepare` (memory-mapped), or a text file or directory "
+             "read into memory (default: the Python stdlib's .py sources)")
+    add("--data-bytes", type=int, default=d.data_bytes,
+        help="read at most this many bytes of a text --data (default %(default)s)")
     add("--lr-schedule", choices=LR_SCHEDULES, default=d.lr_schedule,
         help="constant, or cosine: linear warm-up then decay to 10%% at --steps (default %(default)s)")
     add("--warmup-steps", type=int, default=d.warmup_steps, help="warm-up steps of the cosine schedule")
@@ -115,7 +117,8 @@ def _add_watch_args(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--tensorboard", metavar="DIR",
                    help="write TensorBoard scalars (loss, lr, grad norm, tokens/s, step time, memory, wire bytes)")
     g.add_argument("--eval-every", type=int, default=d.eval_every, metavar="K",
-                   help="held-out loss (the corpus's last 10%%) every K steps and at the end (default: off)")
+                   help="held-out loss every K steps and at the end: a prepared --data's held-out split, "
+                        "else the text's last 10%% (default: off)")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser, d) -> None:
@@ -180,7 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("out", metavar="OUT_DIR")
     exp.add_argument("--max-shard-bytes", type=int, default=None, metavar="N",
                      help="start a new safetensors file past N bytes (default 5 GB, as Transformers)")
+    _add_data_command(commands)
     return parser
+
+
+def _add_data_command(commands) -> None:
+    from shardwise.data.cli import add_data_args
+
+    data = commands.add_parser("data", help="prepare tokenized corpora for `shardwise train --data DIR`",
+                               description="Prepare training data: `shardwise data prepare SRC OUT --tokenizer DIR|bytes`.")
+    add_data_args(data)
 
 
 def _train_config(args: argparse.Namespace):
@@ -286,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         return _print_report(args.dir)
     if args.command == "export":
         return _export(args)
+    if args.command == "data":
+        from shardwise.data.cli import run_data
+
+        return run_data(args)
     from shardwise.train.distributed import is_under_launcher
 
     under_launcher = is_under_launcher()

@@ -2,7 +2,7 @@
 
 :class:`~shardwise.train.config.TrainConfig` checks its fields alone when it is built;
 :func:`preflight` checks what it cannot see: the mesh against the ranks, the model's
-config file, the tensor-parallel plan against the model, the optional TensorBoard and
+config file, a prepared ``--data`` against the model's vocabulary, the tensor-parallel plan against the model, the optional TensorBoard and
 torchao packages (with a float8-capable GPU), and that ``--resume`` continues a
 checkpoint of the same model. The CLI runs it once before launching the ranks (so a
 typo costs no process start), and :func:`train` again on every rank under torchrun.
@@ -16,6 +16,7 @@ from shardwise.train.checkpointing import check_same_model
 from shardwise.train.config import TrainConfig
 from shardwise.train.fault_tolerance import require_torchft
 from shardwise.train.float8 import check_float8_device, require_torchao
+from shardwise.train.inputs import check_data
 from shardwise.train.models import ModelSpec, model_spec
 from shardwise.train.tensorboard import require_tensorboard
 
@@ -26,6 +27,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> ModelSpec:
     """Raise on anything that would fail once ranks run; returns the model's spec."""
     cfg.check_world(world_size)
     spec = model_spec(cfg)  # reads --hf-config / --hf-model: a missing path fails here
+    check_data(cfg, spec)  # a prepared --data: finished, of the model's vocabulary
     if cfg.tp > 1:
         spec.check_tp(cfg.tp)
     if cfg.tensorboard is not None:
