@@ -14,10 +14,13 @@ is smaller, or whose own tokenizer has another vocabulary, is refused before lau
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 __all__ = ["BYTES", "Encoder", "vocab_sha256"]
 
@@ -80,13 +83,18 @@ class Encoder:
         return {"name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
                 "vocab_sha256": vocab_sha256(self.tokenizer)}
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
-        """Each text's ids followed by the EOS id."""
-        eos = self.eos_id
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, lengths)``: every text's ids followed by the EOS id, concatenated (int64), and each
+        document's length (EOS included)."""
         if self.name == BYTES:
-            return [list(text.encode("utf-8")) + [eos] for text in texts]
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [row + [eos] for row in ids]
+            raw = [text.encode("utf-8") for text in texts]
+            ids = np.frombuffer(b"\0".join(raw) + b"\0", dtype=np.uint8).astype(np.int64)  # NUL is the EOS
+            return ids, np.fromiter((len(r) + 1 for r in raw), dtype=np.int64, count=len(raw))
+        rows = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        lengths = np.fromiter((len(r) + 1 for r in rows), dtype=np.int64, count=len(rows))
+        eos = [self.eos_id]
+        ids = np.fromiter(itertools.chain.from_iterable(r + eos for r in rows), dtype=np.int64, count=int(lengths.sum()))
+        return ids, lengths
 
 
 def _load_tokenizer(directory: str) -> Any:

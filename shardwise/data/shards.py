@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import os
 from pathlib import Path
@@ -50,11 +49,9 @@ def _texts(dataset: Any, field: str, first: int, end: int) -> list[str]:
     return texts
 
 
-def _encode(encoder: Encoder, texts: list[str], dtype: str, vocab: int) -> tuple[np.ndarray, list[int]]:
+def _encode(encoder: Encoder, texts: list[str], dtype: str, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """``(ids as dtype, per-document lengths)``; ids past the vocabulary are an error."""
-    rows = encoder.encode(texts)
-    lengths = [len(r) for r in rows]
-    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=sum(lengths))
+    flat, lengths = encoder.encode(texts)
     if flat.size and (flat.max() >= vocab or flat.min() < 0):
         raise ValueError(f"tokenizer {encoder.name} produced id {int(flat.max())} outside its vocabulary of {vocab}")
     return flat.astype(dtype), lengths
@@ -79,18 +76,18 @@ def write_shard(job: ShardJob, dataset: Any, field: str, encoder: Encoder,
             buf = ids.tobytes()
             f.write(buf)
             digest.update(buf)
-            starts.extend((n + np.cumsum([0] + lengths[:-1])).tolist())
+            starts.append(n + np.cumsum(lengths) - lengths)
             n += ids.size
             progress(end - first, int(ids.size))
             if first == job.rows[0]:
                 maybe_kill("prepare_mid_shard", job.index, 0)
         _fsync(f)
     with open(tmp_idx, "wb") as f:
-        np.save(f, np.asarray(starts, dtype=np.uint64))
+        np.save(f, np.concatenate(starts or [np.zeros(0, np.int64)]).astype(np.uint64))
         _fsync(f)
     os.replace(tmp_idx, idx_path)
     os.replace(tmp_bin, bin_path)
-    info = ShardInfo(job.index, job.split, job.rows, n, len(starts), digest.hexdigest())
+    info = ShardInfo(job.index, job.split, job.rows, n, job.rows[1] - job.rows[0], digest.hexdigest())
     write_json_atomic(receipt, {"key": job.key, "shard": dataclasses.asdict(info)})
     maybe_kill("prepare_after_shard", job.index, 0)
     return info
