@@ -11,6 +11,8 @@ different order, the same on every rank and every run.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = ["permute"]
@@ -26,12 +28,13 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def _round_keys(seed: int, epoch: int) -> list[np.uint64]:
+@functools.lru_cache(maxsize=8)
+def _round_keys(seed: int, epoch: int) -> tuple[np.uint64, ...]:
     words = np.random.SeedSequence([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, 0x5AD]).generate_state(ROUNDS, np.uint64)
-    return [np.uint64(w) for w in words]
+    return tuple(np.uint64(w) for w in words)
 
 
-def _feistel(x: np.ndarray, half_bits: int, keys: list[np.uint64]) -> np.ndarray:
+def _feistel(x: np.ndarray, half_bits: int, keys: tuple[np.uint64, ...]) -> np.ndarray:
     mask = np.uint64((1 << half_bits) - 1)
     left, right = x >> np.uint64(half_bits), x & mask
     for key in keys:
