@@ -9,7 +9,7 @@ of ``--big-mb`` megabytes into ``--workdir``, prepares each with the byte tokeni
 - **train RSS**: ``shardwise train --data OUT`` on ``--nproc`` ranks; each rank's peak RSS
   (``peak_memory_gb`` of ``--metrics`` is rank 0's ``ru_maxrss``) at both sizes: memory-mapped
   shards make them equal within noise;
-- **loader share**: the mean time of ``WindowSampler.next_batch`` (one rank's batch) over the
+- **loader share**: the median time of ``WindowSampler.next_batch`` (one rank's batch) over the
   median training step time, on the big corpus::
 
     .venv/bin/python -m bench.data_pipeline                       # 100 MB and 1 GB, in /tmp
@@ -93,13 +93,16 @@ def run_train(data: Path, args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def loader_ms(data: Path, args: argparse.Namespace, calls: int = 200) -> float:
-    """Mean milliseconds of one rank's ``next_batch`` on ``data``."""
+    """Median milliseconds of one rank's ``next_batch`` on ``data`` (the median: a shared machine's
+    preemptions land on a few calls, not on the loader's cost)."""
     sampler = WindowSampler(TokenStream.open(data), args.batch_size, args.seq_len, seed=0, rank=0,
                             world_size=args.nproc)
-    start = time.perf_counter()
+    times = []
     for _ in range(calls):
+        start = time.perf_counter()
         sampler.next_batch()
-    return 1e3 * (time.perf_counter() - start) / calls
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -41,17 +40,6 @@ def prepared(tmp_path_factory) -> str:
     prepare(src, root / "tokens", PrepareOptions("bytes", workers=1, shard_bytes=2000, held_out=0.05),
             show_progress=False)
     return str(root / "tokens")
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    for var in ("RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("ranks were launched")
-
-    monkeypatch.setattr(subprocess, "Popen", refuse)
 
 
 def _train_on_rank(fields: dict):
