@@ -101,3 +101,24 @@ def test_a_preset_takes_the_prepared_vocabulary_and_a_smaller_model_vocabulary_i
     (unfinished / "shard-00000.bin").write_bytes(b"\0" * 64)
     with pytest.raises(SystemExit, match="has no manifest.json: its `shardwise data prepare` did not finish"):
         cli.main(["train", "--data", str(unfinished)])
+
+
+def test_a_model_tokenizer_of_another_vocabulary_and_eval_without_held_out_tokens_are_refused(prepared, tmp_path):
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from shardwise.train.inputs import check_data
+
+    vocab = {chr(i): i for i in range(300)}
+    own = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")), eos_token="b")
+    spec = SimpleNamespace(vocab_size=300, tokenizer=own, seq_len=16)
+    with pytest.raises(ValueError, match="whose vocabulary differs from the model's own tokenizer's"):
+        check_data(TrainConfig(data=prepared), spec)
+    check_data(TrainConfig(data=prepared), SimpleNamespace(vocab_size=300, tokenizer=None, seq_len=16))
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:20]))
+    prepare(src, tmp_path / "none", PrepareOptions("bytes", workers=1, held_out=0), show_progress=False)
+    with pytest.raises(ValueError, match="--eval-every: .* holds 0 held-out tokens, fewer than one window of 17"):
+        check_data(TrainConfig(data=str(tmp_path / "none"), eval_every=2), SimpleNamespace(vocab_size=256, seq_len=16))
