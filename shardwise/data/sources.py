@@ -117,8 +117,8 @@ def open_source(src: str | os.PathLike, text_field: str, cache_dir: Path) -> tup
     if field not in dataset.column_names:
         raise SourceError(f"{src}: no text field {field!r} (columns: {', '.join(dataset.column_names)}); "
                           "pass --text-field NAME")
-    stats = [(str(f.relative_to(path) if path.is_dir() else f.name), f.stat().st_size, f.stat().st_mtime_ns)
-             for f in files]
+    stats = [[str(f.relative_to(path) if path.is_dir() else f.name), f.stat().st_size, f.stat().st_mtime_ns]
+             for f in files]  # lists, as JSON reads them back: a manifest read equals the one written
     description = {"path": str(path.resolve()), "kind": kind, "text_field": field, "rows": len(dataset),
                    "files": stats, "fingerprint": getattr(dataset, "_fingerprint", None) if not files else None}
     logger.info("source %s: %d documents (%s)", src, len(dataset), kind)
