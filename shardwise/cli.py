@@ -155,7 +155,7 @@ def _add_fault_tolerance_args(p: argparse.ArgumentParser, d) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``shardwise <command> [options]``: ``train``, ``plan``, ``report``, ``export``."""
+    """``shardwise <command> [options]``: ``train``, ``plan``, ``report``, ``export``, ``data prepare``."""
     parser = argparse.ArgumentParser(prog="shardwise", description="Fully-sharded data parallel training.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
