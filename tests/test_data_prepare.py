@@ -8,6 +8,7 @@ directory is checked against the tokenizer run by hand: each document's ids and 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -250,3 +251,29 @@ def test_windows_are_one_global_order_whatever_the_world_size(tmp_path):
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
     with pytest.raises(ValueError, match="resume with the same --data, --seq-len and --seed"):
         WindowSampler(stream, 4, 32, seed=1).load_state_dict(state)
+
+
+def _private_rss_bytes() -> int:
+    """This process's resident anonymous memory (``RssAnon``): what it holds itself, page cache excluded."""
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+def test_sampling_holds_no_copy_of_the_corpus(tmp_path):
+    """Mapped pages of the shards that windows touched count in RSS as shared page cache (a fault
+    may map a whole large folio of the file); the process's own memory does not grow with the corpus."""
+    src = tmp_path / "big.jsonl"
+    lines = "".join(json.dumps({"text": " ".join(f"w{(i * 7919 + j) % 5003}" for j in range(400))}) + "\n"
+                    for i in range(1000))
+    src.write_text(lines * 9)  # ~20 MB of text: ~40 MB of uint16 tokens
+    out = tmp_path / "out"
+    prepare(src, out, opts("bytes", shard_bytes=8 << 20, held_out=0.0), show_progress=False)
+    before = _private_rss_bytes()
+    stream = TokenStream.open(out)
+    sampler = WindowSampler(stream, 8, 128, seed=0)
+    for _ in range(50):
+        sampler.next_batch()
+    corpus = sum(s.nbytes for s in stream.shards)
+    assert isinstance(stream.shards[0], np.memmap)
+    assert corpus > 35e6 and _private_rss_bytes() - before < 0.05 * corpus, (corpus, _private_rss_bytes() - before)
