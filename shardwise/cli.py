@@ -72,8 +72,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     add("--device", choices=("auto", "cpu", "cuda"), default=d.device,
         help="auto: a GPU per rank when there are enough, else CPU (default %(default)s)")
     add("--data", default=d.data, metavar="PATH",
-        help="text file or directory to train on (default: the Python stdlib's .py sources)")
-    add("--data-bytes", type=int, default=d.data_bytes, help="read at most this many bytes (default %(default)s)")
+        help="a directory written by `shardwise data prepare` (memory-mapped), or a text file or directory "
+             "read into memory (default: the Python stdlib's .py sources)")
+    add("--data-bytes", type=int, default=d.data_bytes,
+        help="read at most this many bytes of a text --data (default %(default)s)")
     add("--lr-schedule", choices=LR_SCHEDULES, default=d.lr_schedule,
         help="constant, or cosine: linear warm-up then decay to 10%% at --steps (default %(default)s)")
     add("--warmup-steps", type=int, default=d.warmup_steps, help="warm-up steps of the cosine schedule")
@@ -134,7 +136,8 @@ def _add_watch_args(p: argparse.ArgumentParser, d) -> None:
     g.add_argument("--tensorboard", metavar="DIR",
                    help="write TensorBoard scalars (loss, lr, grad norm, tokens/s, step time, memory, wire bytes)")
     g.add_argument("--eval-every", type=int, default=d.eval_every, metavar="K",
-                   help="held-out loss (the corpus's last 10%%) every K steps and at the end (default: off)")
+                   help="held-out loss every K steps and at the end: a prepared --data's held-out split, "
+                        "else the text's last 10%% (default: off)")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser, d) -> None:
@@ -171,10 +174,10 @@ def _add_fault_tolerance_args(p: argparse.ArgumentParser, d) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``shardwise <command> [options]``: ``train``, ``plan``, ``report``, ``export``."""
+    """``shardwise <command> [options]``: ``train``, ``plan``, ``report``, ``export``, ``data prepare``."""
     parser = argparse.ArgumentParser(
         prog="shardwise", description="Fully-sharded data parallel training: train GPT presets or Transformers causal "
-        "LMs with fully_shard, export their checkpoints to Transformers, plan sharding at scale, read step reports.")
+        "LMs with fully_shard, export their checkpoints to Transformers, plan sharding at scale, read step reports, prepare tokenized datasets.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
         "train", help="train a GPT preset or a Transformers causal LM (--hf-config/--hf-model) on text (--data) "
@@ -203,7 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("out", metavar="OUT_DIR")
     exp.add_argument("--max-shard-bytes", type=int, default=None, metavar="N",
                      help="start a new safetensors file past N bytes (default 5 GB, as Transformers)")
+    _add_data_command(commands)
     return parser
+
+
+def _add_data_command(commands) -> None:
+    from shardwise.data.cli import add_data_args
+
+    data = commands.add_parser("data", help="prepare tokenized corpora for `shardwise train --data DIR`",
+                               description="Prepare training data: `shardwise data prepare SRC OUT --tokenizer DIR|bytes`.")
+    add_data_args(data)
 
 
 def _train_config(args: argparse.Namespace):
@@ -309,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         return _print_report(args.dir)
     if args.command == "export":
         return _export(args)
+    if args.command == "data":
+        from shardwise.data.cli import run_data
+
+        return run_data(args)
     from shardwise.train.distributed import is_under_launcher
 
     under_launcher = is_under_launcher()

@@ -6,6 +6,8 @@ it here keeps that out of the time pytest reports and frees the ranks before any
 session hook runs.
 """
 
+import subprocess
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,3 +76,16 @@ def pytest_unconfigure(config):
         for stream in (sys.__stdout__, sys.__stderr__):
             stream.flush()
         os._exit(_EXIT_STATUS[0] or 1)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """``shardwise train`` from the CLI must fail before launching any rank: launching raises."""
+    for var in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ranks were launched")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)

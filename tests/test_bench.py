@@ -387,3 +387,19 @@ def test_instructions_child_trains_each_contender_and_rejects_unknown_ones():
     assert forked.exitcode == 0
     with pytest.raises(SystemExit, match="unknown contender"):
         main(["--contenders", "plain,nope"])
+
+
+def test_data_pipeline_prepares_both_corpora_and_times_the_loader(tmp_path):
+    pytest.importorskip("datasets")
+    from bench.data_pipeline import main as data_main, write_corpus
+
+    assert 45_000 <= write_corpus(tmp_path / "c.jsonl", 0.05) <= 50_000  # cut at a line end
+    assert all(json.loads(line)["text"] for line in (tmp_path / "c.jsonl").read_text().splitlines())
+    out = tmp_path / "r.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        data_main(["--small-mb", "0.05", "--big-mb", "0.1", "--workers", "1", "--no-train", "--seq-len", "32",
+                   "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    sizes = json.loads(out.read_text())["sizes"]
+    assert sizes["big"]["prepare"]["tokens"] > 1.9 * sizes["small"]["prepare"]["tokens"] > 0
+    assert all(row["prepare"]["tokens_per_cpu_s"] > 0 and row["loader_ms"] > 0 for row in sizes.values())
+    assert "tok/CPU-s" in printed.getvalue() and not (tmp_path / "w").exists()

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import importlib.util
@@ -122,7 +123,8 @@ def _shell_commands(code: str):
 
 
 def _commands_in(tokens):
-    """``(program, subcommand, flags)`` for each shardwise / ./dev / bench command in a line."""
+    """``(program, subcommand, flags, words)`` for each shardwise / ./dev / bench command in a line
+    (``words``: the tokens after the subcommand that are not flags: a nested verb comes first)."""
     out, i = [], 0
     seps = {"|", "||", "&&", ";", "&"}
     while i < len(tokens):
@@ -133,14 +135,16 @@ def _commands_in(tokens):
         elif tok == "./dev":
             program = "dev"
         elif prev == "-m" and tok.startswith("bench"):
-            out.append(("bench", tok, []))
+            out.append(("bench", tok, [], []))
         if program and i + 1 < len(tokens):
-            sub, flags, j = tokens[i + 1], [], i + 2
+            sub, flags, words, j = tokens[i + 1], [], [], i + 2
             while j < len(tokens) and tokens[j] not in seps:
                 if tokens[j].startswith("--"):
                     flags.append(tokens[j].split("=", 1)[0])
+                else:
+                    words.append(tokens[j])
                 j += 1
-            out.append((program, sub, flags))
+            out.append((program, sub, flags, words))
             i = j
         i += 1
     return out
@@ -150,7 +154,7 @@ def _commands_in(tokens):
 def test_command_lines_match_the_parser(code):
     parsers = _subparsers()
     for tokens in _shell_commands(code):
-        for program, sub, flags in _commands_in(tokens):
+        for program, sub, flags, words in _commands_in(tokens):
             if program == "bench":
                 assert importlib.util.find_spec(sub) is not None, f"no module {sub}"
                 continue
@@ -159,7 +163,12 @@ def test_command_lines_match_the_parser(code):
                 if sub != "train":
                     continue
             assert sub in parsers, f"shardwise has no command {sub!r}"
-            known = set(parsers[sub]._option_string_actions)
+            parser = parsers[sub]
+            verbs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+            if verbs:  # `shardwise data prepare ...`: the verb's flags
+                assert words and words[0] in verbs[0].choices, f"`shardwise {sub}` needs one of {sorted(verbs[0].choices)}"
+                parser = verbs[0].choices[words[0]]
+            known = set(parser._option_string_actions)
             unknown = [f for f in flags if f not in known]
             assert not unknown, f"`shardwise {sub}` has no {unknown} (see `shardwise {sub} --help`)"
 

@@ -364,17 +364,6 @@ def test_setup_peak_stays_near_one_ranks_share(tmp_path):
 # ---------------------------------------------------------------- bad input, before any rank starts
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    for var in ("RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("ranks were launched")
-
-    monkeypatch.setattr(subprocess, "run", refuse)
-
-
 @pytest.mark.parametrize("argv,message", [
     (["--nproc", "3", "--replicate", "2"], "must divide the 3 ranks"),
     (["--nproc", "4", "--tp", "2", "--replicate", "4"], "must divide the 4 ranks"),

@@ -41,7 +41,8 @@ def _site_links(text: str) -> str:
 
 
 def cli_help(command: str) -> str:
-    """``shardwise COMMAND --help`` (``shardwise --help`` for "shardwise"), 100 columns wide."""
+    """``shardwise COMMAND --help`` (``shardwise --help`` for "shardwise"; ``data/prepare`` for
+    ``shardwise data prepare --help``), 100 columns wide."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     os.environ["COLUMNS"] = "100"
@@ -50,8 +51,10 @@ def cli_help(command: str) -> str:
     parser = build_parser()
     if command == "shardwise":
         return parser.format_help()
-    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    return sub.choices[command].format_help()
+    for word in command.split("/"):
+        sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+        parser = sub.choices[word]
+    return parser.format_help()
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -36,6 +36,8 @@ POINTS = (
     "ckpt_mid_prune",  # pointer updated, an old checkpoint half deleted
     "step",  # the training loop, after a step's optimizer step and before its checkpoint
     "ft_all_reduce",  # --fault-tolerance torchft: mid-step, in the all-reduce across replica groups
+    "prepare_mid_shard",  # `shardwise data prepare`: shard N's tokens half written (step = shard index)
+    "prepare_after_shard",  # `shardwise data prepare`: shard N renamed into place with its receipt
 )
 """Every point a fault can name; :func:`maybe_kill` rejects others (a typo must not silently pass)."""
 

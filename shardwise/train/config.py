@@ -52,9 +52,10 @@ class TrainConfig:
     device: str = "auto"
     """``auto`` (a GPU per rank when there are enough, else CPU), ``cpu`` or ``cuda``."""
     data: str | None = None
-    """A text file or directory to train on; ``None`` uses the Python standard library's sources."""
+    """A directory written by ``shardwise data prepare`` (memory-mapped, see :mod:`~shardwise.train.inputs`), or a
+    text file or directory read into memory; ``None`` uses the Python standard library's sources."""
     data_bytes: int = DEFAULT_MAX_BYTES
-    """Read at most this many bytes of the corpus."""
+    """Read at most this many bytes of a text ``data`` (a prepared directory is memory-mapped whole)."""
     lr_schedule: str = "constant"
     """``constant``, or ``cosine``: linear warm-up over ``warmup_steps``, then cosine decay to 10% at ``steps``."""
     warmup_steps: int = 0
@@ -116,7 +117,8 @@ class TrainConfig:
     tensorboard: str | None = None
     """Write TensorBoard scalars (loss, lr, grad norm, tokens/s, step time, peak memory, wire bytes) here."""
     eval_every: int = 0
-    """Every this many steps, report the loss on held-out data (the corpus's last 10%); 0 is off."""
+    """Every this many steps, report the loss on held-out data (a prepared ``data``'s held-out split, else
+    the text's last 10%); 0 is off."""
     # ---- fault tolerance across replica groups (see train/fault_tolerance.py)
     fault_tolerance: str = "none"
     """``torchft``: this job is one replica group of torchft's fault-tolerant HSDP; ``none`` is off."""

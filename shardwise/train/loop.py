@@ -41,10 +41,10 @@ from shardwise.train import summary
 from shardwise.train.build import build_pipelined, build_sharded
 from shardwise.train.checkpointing import RunCheckpoints
 from shardwise.train.config import TrainConfig, TrainResult
-from shardwise.train.data import BatchSampler, load_corpus
 from shardwise.train.distributed import DistEnv, leave, setup, teardown
 from shardwise.train.fault_tolerance import Replicas, attach, replica_group
 from shardwise.train.float8 import precompute_scales
+from shardwise.train.inputs import Sampler, run_data
 from shardwise.train.metrics import MetricsLog
 from shardwise.train.model import GPT
 from shardwise.train.models import ModelSpec, model_spec, param_count
@@ -67,10 +67,6 @@ StepCallback = Callable[[int, float, float], None]
 
 EVAL_BATCHES = 4
 """Micro-batches of held-out windows per ``--eval-every`` evaluation (the same windows every time)."""
-
-HELD_OUT = 0.1
-"""Share of the corpus (its end) kept out of training when ``--eval-every`` is on."""
-
 
 def build_model(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> nn.Module:
     """The model of ``spec``, initialised identically on every rank, parallelised and sharded as ``cfg`` says
@@ -194,19 +190,19 @@ class _Run:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: BatchSampler
+    sampler: Sampler
     checkpoints: RunCheckpoints
     metrics: MetricsLog
     tensorboard: TensorBoardLog
     step_opts: StepOptions
-    held_out: torch.Tensor | None  # --eval-every: the corpus's held-out tail
+    held_out: Callable[[int], Sampler] | None  # --eval-every: micro-batch size -> a fresh held-out sampler
     eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)
     replicas: Replicas | None = None  # --fault-tolerance torchft; ``optimizer`` is then its commit gate
 
 
 def _evaluate(job: _Run, cfg: TrainConfig, env: DistEnv) -> float:
     """Mean loss over ranks on :data:`EVAL_BATCHES` fixed held-out micro-batches."""
-    sampler = BatchSampler(job.held_out, cfg.micro_batch_size, job.sampler.seq_len, cfg.seed + 1, env.dp_rank, env.dp_size)
+    sampler = job.held_out(cfg.micro_batch_size)
     total = 0.0
     pipeline = job.step_opts.pipeline
     with torch.no_grad():
@@ -335,27 +331,16 @@ def _peaks(model: nn.Module, device: torch.device) -> tuple[int | None, int | No
     return plan.peak_bytes, int(t.item())
 
 
-def _split_corpus(tokens: torch.Tensor, cfg: TrainConfig, seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(training tokens, held-out tail or ``None``): the last :data:`HELD_OUT` with ``--eval-every``."""
-    if not cfg.eval_every:
-        return tokens, None
-    held = max(int(tokens.numel() * HELD_OUT), seq_len + 1)
-    if tokens.numel() - held < seq_len + 1:
-        raise ValueError(f"--eval-every: a corpus of {tokens.numel()} tokens is too small to hold out "
-                         f"{held} and still train on windows of {seq_len + 1}; raise --data-bytes")
-    return tokens[:-held], tokens[-held:]
-
-
 def _setup_run(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[_Run, int]:
     """The model, optimizer, data and observers of a run, resumed when asked; and the step to start after."""
-    train_tokens, held_out = _split_corpus(spec.tokens(load_corpus(cfg.data, cfg.data_bytes)), cfg, spec.seq_len)
+    data = run_data(cfg, env, spec)
+    sampler = data.sampler
     if cfg.pp > 1:  # this rank's stages (their union) and the schedule that runs them
         model, pipeline = build_pipelined(cfg, env, spec)
     else:
         model, pipeline = build_model(cfg, env, spec), None
     optimizer = build_optimizer(model, cfg.lr)
     scheduler = build_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
-    sampler = BatchSampler(train_tokens, cfg.batch_size, spec.seq_len, cfg.seed, env.dp_rank, env.dp_size)
     checkpoints = RunCheckpoints(cfg, env, model, optimizer, scheduler, sampler, spec)
     start_step = checkpoints.resume(cfg.resume)
     tensorboard = TensorBoardLog(cfg.tensorboard, env.is_main)
@@ -365,7 +350,7 @@ def _setup_run(cfg: TrainConfig, env: DistEnv, spec: ModelSpec) -> tuple[_Run, i
     if cfg.fault_tolerance == "torchft":
         replicas = attach(cfg, env, model, optimizer, scheduler, sampler, start_step)
     job = _Run(model, optimizer if replicas is None else replicas.gate, scheduler, sampler, checkpoints,
-               MetricsLog(cfg.metrics, env.is_main), tensorboard, opts, held_out, replicas=replicas)
+               MetricsLog(cfg.metrics, env.is_main), tensorboard, opts, data.held_out, replicas=replicas)
     return job, start_step
 
 

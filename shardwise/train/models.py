@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from shardwise.train.config import TrainConfig
 from shardwise.train.hf import HFSpec
+from shardwise.train.inputs import prepared_vocab_size
 from shardwise.train.model import GPT, GPTConfig, count_params
 
 __all__ = ["ModelSpec", "GPTSpec", "model_spec", "param_count"]
@@ -50,7 +51,7 @@ class ModelSpec(Protocol):
 
 
 class GPTSpec:
-    """A preset of :class:`~shardwise.train.model.GPT` over the byte vocabulary."""
+    """A preset of :class:`~shardwise.train.model.GPT` over the byte vocabulary, or a prepared ``--data``'s."""
 
     cfg: GPTConfig
     preset: str
@@ -131,7 +132,9 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
     """The model ``cfg`` asks for."""
     if cfg.is_hf:
         return HFSpec(cfg.hf_config, cfg.hf_model, cfg.seq_len)
-    return GPTSpec(cfg.model_config(), cfg.model)
+    gpt = cfg.model_config()
+    vocab = prepared_vocab_size(cfg.data)  # a preset over a prepared --data takes its tokenizer's vocabulary
+    return GPTSpec(gpt if vocab is None else dataclasses.replace(gpt, vocab_size=vocab), cfg.model)
 
 
 def param_count(spec: ModelSpec) -> int:
