@@ -25,7 +25,7 @@ from shardwise.testing.hf_families import FAMILIES, tiny_config, write_config
 from shardwise.train.config import TrainConfig
 from shardwise.train.hf_blocks import NoBlocksError, find_blocks
 from shardwise.train.models import model_spec
-from test_train_hf import BASE, TIMEOUT, _env, no_launch, train_keeping_model  # noqa: F401 (no_launch: a fixture)
+from test_train_hf import BASE, TIMEOUT, _env, train_keeping_model
 
 BLOCKS = {"gpt2": "transformer.h", "falcon": "transformer.h", "bloom": "transformer.h", "gpt_neox": "gpt_neox.layers",
           "opt": "model.decoder.layers"}  # every other family: model.layers

@@ -173,17 +173,6 @@ def test_llama_checkpoints_resume_across_layouts_and_export(tmp_path):
 # ---------------------------------------------------------------- refused before any rank starts
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    for var in ("RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("ranks were launched")
-
-    monkeypatch.setattr(subprocess, "run", refuse)
-
-
 def _config(tmp_path, **overrides) -> str:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**LLAMA, **overrides}))
