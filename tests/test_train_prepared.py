@@ -122,3 +122,14 @@ def test_a_model_tokenizer_of_another_vocabulary_and_eval_without_held_out_token
     prepare(src, tmp_path / "none", PrepareOptions("bytes", workers=1, held_out=0), show_progress=False)
     with pytest.raises(ValueError, match="--eval-every: .* holds 0 held-out tokens, fewer than one window of 17"):
         check_data(TrainConfig(data=str(tmp_path / "none"), eval_every=2), SimpleNamespace(vocab_size=256, seq_len=16))
+
+
+def test_a_data_position_of_the_other_kind_is_refused_by_name():
+    """A text-corpus sampler given a prepared directory's position (and the reverse) says which --data to use."""
+    import torch
+
+    from shardwise.train.data import BatchSampler
+
+    text = BatchSampler(torch.arange(1000) % 256, 2, 16, 0, 0, 1)
+    with pytest.raises(ValueError, match="data position is of a prepared directory"):
+        text.load_state_dict({"position": 3, "windows": 10, "seq_len": 16, "seed": 0, "global_batch_size": 2})

@@ -179,6 +179,9 @@ class BatchSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``; a different global batch size draws a different stream (logged)."""
+        if "generator" not in state:
+            raise ValueError("the checkpoint's data position is of a prepared directory (shardwise data prepare), "
+                             "not of a text corpus; resume with the --data it was saved with")
         raw = bytearray(base64.b64decode(state["generator"]))
         self.generator.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
         if state["global_batch_size"] != self.global_batch_size:
