@@ -196,6 +196,6 @@ def test_models_that_cannot_be_split_are_refused_before_launch(no_launch, tmp_pa
     with pytest.raises(SystemExit, match="ties its input embeddings and lm_head"):
         cli.main(["train", "--nproc", "4", "--pp", "2", "--hf-config", _config(tmp_path, tie_word_embeddings=True)])
     with pytest.raises(SystemExit, match="not model_type 'phi3'"):
-        cli.main(["train", "--nproc", "4", "--pp", "2", "--hf-config", _config(tmp_path, model_type="phi3")])
+        cli.main(["train", "--nproc", "4", "--pp", "2", "--hf-config", _config(tmp_path, model_type="phi3", pad_token_id=0)])
     with pytest.raises(SystemExit, match="4 decoder layers, too few for 8 pipeline stages"):
         cli.main(["train", "--nproc", "4", "--pp", "4", "--pp-schedule", "LoopedBFS", "--hf-config", _config(tmp_path)])
