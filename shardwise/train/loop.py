@@ -32,7 +32,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.clip import clip_grad_norm_
@@ -48,7 +47,7 @@ from shardwise.train.inputs import Sampler, run_data
 from shardwise.train.metrics import MetricsLog
 from shardwise.train.model import GPT
 from shardwise.train.models import ModelSpec, model_spec, param_count
-from shardwise.train.pipeline import Pipeline
+from shardwise.train.pipeline import Pipeline, cross_entropy
 from shardwise.train.preflight import preflight
 from shardwise.train.schedule import build_scheduler
 from shardwise.train.signals import StopRequest, stop_on_signals
@@ -143,7 +142,7 @@ def _accumulated_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, op
         if k > 1:
             model.set_requires_gradient_sync(i == k - 1)
         logits = opts.logits(model, xm)  # (b, T, vocab), bf16 under mixed precision
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ym.flatten())  # (b*T, vocab) vs (b*T,)
+        loss = cross_entropy(logits, ym)  # (b*T, vocab) vs (b*T,), in fp32
         (loss / k if k > 1 else loss).backward()
         total += loss.detach() / k
     return total
@@ -212,7 +211,7 @@ def _evaluate(job: _Run, cfg: TrainConfig, env: DistEnv) -> float:
                 total += pipeline.run(x, y, train=False).item()
                 continue
             logits = job.step_opts.logits(job.model, x)
-            total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).item()
+            total += cross_entropy(logits, y).item()
     return mean_across_ranks(total / EVAL_BATCHES, env.device)
 
 

@@ -32,10 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import logging
 import math
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -49,8 +46,6 @@ __all__ = [
     "SCHEDULES", "DEFAULT_SCHEDULE", "V_SHAPED", "stages_per_rank", "stage_ids", "split_blocks", "PassThrough",
     "pruned", "stage_blocks", "merged", "cross_entropy", "build_schedule", "Pipeline",
 ]
-
-logger = logging.getLogger(__name__)
 
 SINGLE_STAGE = ("GPipe", "1F1B")
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
@@ -142,9 +137,6 @@ def merged(modules: list[nn.Module]) -> nn.Module:
         if kids:
             out.add_module(name, merged(list(kids.values())))
     return out
-
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
