@@ -13,7 +13,14 @@ import torch
 import torch.distributed as dist
 
 from shardwise.testing import shutdown_pools
+from shardwise.testing.pool import preload_in_ranks
 from shardwise.train import distributed
+
+# What tests import inside their ranks, imported once by the ranks' fork server instead of
+# once per rank per pool (Transformers alone is 2-3 s of CPU a rank).
+preload_in_ranks("torch.distributed.fsdp", "transformers", "transformers.models.llama.modeling_llama",
+                 "transformers.models.gpt2.modeling_gpt2", "torchao.float8", "torch.distributed.pipelining",
+                 "shardwise.train.loop", "shardwise.train.hf", "_models")
 
 _EXIT_STATUS = [0]  # the session's, for pytest_unconfigure
 

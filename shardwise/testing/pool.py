@@ -53,6 +53,26 @@ _log = logging.getLogger(__name__)
 PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "shardwise", "shardwise.testing.worker")
 """What the fork server imports once, before it forks any rank (see :func:`_start_context`)."""
 
+_preload = list(PRELOAD)
+_server_started = False
+
+
+def preload_in_ranks(*modules: str) -> None:
+    """Have the fork server import ``modules`` too, once, before it forks any rank.
+
+    A module a test imports inside its ranks (Transformers' model code, torch's FSDP2 as the
+    oracle) otherwise costs its import in every rank of every pool: seconds of CPU each,
+    on a machine where the ranks share two cores. Call it before the first pool starts
+    (``tests/conftest.py`` does); a module that fails to import is skipped by the server and
+    imported by the rank that needs it, as before.
+    """
+    if _server_started:
+        raise RuntimeError(f"preload_in_ranks{modules}: the fork server has already started; "
+                           "call it before the first run_on_ranks (e.g. in conftest.py)")
+    _preload.extend(m for m in modules if m not in _preload)
+    if _CTX.get_start_method() == "forkserver":
+        _CTX.set_forkserver_preload(list(_preload))
+
 
 def _start_context() -> multiprocessing.context.BaseContext:
     """How rank processes start. On Linux they are forked from multiprocessing's fork server,
@@ -64,7 +84,7 @@ def _start_context() -> multiprocessing.context.BaseContext:
     was started (:class:`~shardwise.testing.worker.WorkerSpec` carries it)."""
     if sys.platform.startswith("linux"):
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(list(PRELOAD))
+        ctx.set_forkserver_preload(list(_preload))
         return ctx
     return multiprocessing.get_context("spawn")
 
@@ -191,6 +211,8 @@ class RankPool:
         return os.path.join(self._tmpdir, f"rank{rank}.stacks")
 
     def _spawn(self, rank: int, startup_timeout: float) -> None:
+        global _server_started
+        _server_started = True
         parent_conn, child_conn = _CTX.Pipe(duplex=True)
         spec = WorkerSpec(
             rank=rank,

@@ -90,8 +90,13 @@ def auto_shard_model(model: GPT, cfg: TrainConfig, env: DistEnv) -> GPT:
 
 
 def build_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW over the (sharded) parameters; each rank keeps moments for its shards only."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    """AdamW over the (sharded) parameters; each rank keeps moments for its shards only.
+
+    ``foreach=True``, as torchtitan builds it: one DTensor dispatch per operation for the whole
+    parameter list instead of one per parameter. (torch picks foreach by itself only for GPU
+    tensors; on CPU the per-parameter loop re-ran DTensor's sharding propagation for every
+    parameter every step, the step's learning-rate terms being new scalars each time.)"""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01, foreach=True)
 
 
 @dataclasses.dataclass(frozen=True)
