@@ -7,6 +7,7 @@ session hook runs.
 """
 
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,14 +37,49 @@ def pytest_configure(config):
                             "each); run by `./dev test --all` (CI), skipped by `./dev test`")
 
 
+CI_ONLY = Path(__file__).with_name("ci_only.txt")
+
+
+def ci_only_entries() -> list[str]:
+    """The node ids (or parameterless test ids) that tests/ci_only.txt lists."""
+    lines = (line.split("#", 1)[0].strip() for line in CI_ONLY.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def _listed(nodeid: str, entries: set[str]) -> bool:
+    return nodeid in entries or nodeid.split("[", 1)[0] in entries
+
+
+def _named_on_command_line(config) -> list[str]:
+    """The node ids given as arguments (``tests/test_x.py::test_y``), relative to the repo root."""
+    named = []
+    for arg in config.args:
+        if "::" in arg:
+            path, rest = arg.split("::", 1)
+            try:
+                path = Path(path).resolve().relative_to(config.rootpath).as_posix()
+            except ValueError:
+                pass
+            named.append(f"{path}::{rest}")
+    return named
+
+
 def pytest_collection_modifyitems(config, items):
-    """``./dev test`` skips the ``launches`` tests; ``./dev test --all`` runs everything."""
+    """``./dev test`` skips the ``launches`` tests and those tests/ci_only.txt lists (the slow
+    ones); ``./dev test --all`` runs everything."""
     if config.getoption("--all"):
         return
-    skip = pytest.mark.skip(reason="launches whole jobs: ./dev test --all (CI) runs it")
+    launches = pytest.mark.skip(reason="launches whole jobs: ./dev test --all (CI) runs it")
+    slow = pytest.mark.skip(reason="over 2 s (tests/ci_only.txt): ./dev test --all (CI) runs it")
+    entries = set(ci_only_entries())
+    named = _named_on_command_line(config)  # a test named on the command line runs
     for item in items:
+        if any(item.nodeid == n or item.nodeid.startswith((n + "[", n + "::")) for n in named):
+            continue
         if "launches" in item.keywords:
-            item.add_marker(skip)
+            item.add_marker(launches)
+        elif _listed(item.nodeid, entries):
+            item.add_marker(slow)
 
 
 def pytest_sessionfinish(session, exitstatus):

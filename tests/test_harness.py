@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.testing import RankFailure, RankTimeout, kill_job, multirank, pool_pids, run_on_ranks
 from shardwise.testing.pool import RankPool
@@ -295,3 +295,54 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_ci_only_names_only_tests_that_exist():
+    """Every entry of tests/ci_only.txt (what ``./dev test`` skips) is a test function of its
+    file: a renamed or deleted test leaves no stale entry behind."""
+    import ast
+
+    from conftest import CI_ONLY, ci_only_entries
+
+    entries = ci_only_entries()
+    assert entries, "tests/ci_only.txt lists no test"
+    stale = []
+    for entry in entries:
+        path, *names = entry.split("[", 1)[0].split("::")
+        file = CI_ONLY.parent.parent / path
+        if not file.is_file():
+            stale.append(entry)
+            continue
+        defined = {node.name for node in ast.walk(ast.parse(file.read_text())) if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        if not set(names) <= defined:
+            stale.append(entry)
+    assert not stale, f"tests/ci_only.txt names tests that do not exist: {stale}"
+
+
+def _sharded_op_on_a_group_the_task_destroys_itself() -> None:
+    """A task that makes a group, runs a DTensor op on it (DTensor caches the sharding,
+    mesh included) and destroys the group itself, as a job re-initialising its groups does."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    group = dist.new_group(backend="gloo", use_local_synchronization=True)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    (distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]) * 2).to_local()
+    dist.destroy_process_group(group)
+
+
+def _sharded_op_on_a_new_group_of_the_same_ranks() -> str:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
+    out = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]) * 2
+    return out.device_mesh.get_group().group_name  # raises if the mesh is the destroyed group's
+
+
+def test_a_task_that_destroys_its_own_groups_leaves_no_cached_mesh_behind():
+    """DTensor's sharding cache keys meshes by shape and names, not by their groups: after a
+    task destroyed a group itself, the next task's op on an equal mesh must not be handed the
+    dead group's mesh (it was: 'Could not resolve the process group registered under the
+    name ...')."""
+    run_on_ranks(_sharded_op_on_a_group_the_task_destroys_itself, 2)
+    names = run_on_ranks(_sharded_op_on_a_new_group_of_the_same_ranks, 2)
+    assert names[0] == names[1]

@@ -236,13 +236,16 @@ def _destroy_groups_created_since(groups_before: set) -> None:
     created = [group for group in list(distributed_c10d._world.pg_map) if group not in groups_before]
     for group in created:
         dist.destroy_process_group(group)
-    if created:
-        _clear_dtensor_caches()
+    _clear_dtensor_caches()
 
 
 def _clear_dtensor_caches() -> None:
     """Forget DTensor's cached sharding decisions: the next task's mesh of the same shape and
-    names compares equal to a destroyed one, and a cached spec would point at dead groups."""
+    names compares equal to a destroyed one, and a cached spec would point at dead groups.
+
+    Cleared after every task, not only after one that left groups for the harness to destroy:
+    a task may destroy its own groups (a job re-initialising them), and what is left then
+    does not say whether a cached spec holds a dead group's mesh."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
