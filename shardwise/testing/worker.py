@@ -172,6 +172,7 @@ def _run_task(task: Task, rank: int) -> Reply:
         fn, args, kwargs = pickle.loads(task.payload)
         value = pickle.dumps(fn(*args, **kwargs))
         _destroy_groups_created_since(groups_before)
+        _clear_dtensor_caches()
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         return Reply(task.task_id, rank, ok=False, value=b"", error=traceback.format_exc())
     finally:
@@ -236,7 +237,6 @@ def _destroy_groups_created_since(groups_before: set) -> None:
     created = [group for group in list(distributed_c10d._world.pg_map) if group not in groups_before]
     for group in created:
         dist.destroy_process_group(group)
-    _clear_dtensor_caches()
 
 
 def _clear_dtensor_caches() -> None:

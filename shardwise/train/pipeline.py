@@ -33,6 +33,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
