@@ -6,9 +6,10 @@
   inside a collective that completes late is joined too (tests/_waiter_exit.py).
 - A stop signal on any rank stops every rank after the same step (one all-reduce per step),
   with that step's checkpoint (at 2 and 4 ranks, in the warm ranks).
-- SIGTERM to ``shardwise train`` (the CLI forwards it to torchrun, torchrun to the ranks)
-  stops the job after a step, writes that step's checkpoint, and the job exits with 143
-  (128 + SIGTERM), with no native crash (a launch: ``./dev test --all``).
+- SIGTERM to ``shardwise train`` (the CLI forwards it to torchrun, torchrun to the ranks), or
+  Ctrl-C's SIGINT to the terminal's process group, stops the job after a step, writes that
+  step's checkpoint, and the job exits with 128 + the signal (143, 130), with no native crash
+  (launches: ``./dev test --all``).
 """
 
 from __future__ import annotations
@@ -68,28 +69,29 @@ def test_job_end_leaves_no_shardwise_thread():
         assert run_on_ranks(_train_then_shut_down, world, fields, timeout=TIMEOUT) == [[]] * world
 
 
-def _train_with_a_signal_on_one_rank(fields: dict, signalled_rank: int, at_step: int) -> tuple[int, int]:
-    """Train with a stop request; ``signalled_rank`` gets SIGTERM (its handler's call) after
-    ``at_step``. Returns (steps this rank ran, the signal the ranks stopped on)."""
+def _train_with_a_signal_on_one_rank(fields: dict, signum: int, signalled_rank: int, at_step: int) -> tuple[int, int, int]:
+    """Train with a stop request; ``signalled_rank`` gets ``signum`` (its handler's call) after
+    ``at_step``. Returns (steps this rank ran, the signal the ranks stopped on, the exit code)."""
     env = distributed.setup("cpu", num_threads=1)
     request = StopRequest()
 
     def on_step(step: int, loss: float, tokens_per_s: float) -> None:
         if step == at_step and env.rank == signalled_rank:
-            request.handle(signal.SIGTERM, None)
+            request.handle(signum, None)
 
     result = train(TrainConfig(**fields), env, on_step=on_step, stop=request)
-    return result.steps, result.stopped_by
+    return result.steps, result.stopped_by, result.exit_code
 
 
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_with_its_checkpoint(tmp_path):
     """The agreement after each step: a rank signalled after step 2 (while the others
-    already run step 3) stops them all after step 3, whose checkpoint is written."""
-    for world in (2, 4):
+    already run step 3) stops them all after step 3, whose checkpoint is written; the exit
+    code is 128 + the signal (SIGTERM from a scheduler at 2 ranks, SIGINT at 4)."""
+    for world, signum in ((2, signal.SIGTERM), (4, signal.SIGINT)):
         ckpt = tmp_path / f"ckpt{world}"
         fields = dict(model="nano", steps=50, batch_size=2, seq_len=16, data_bytes=20_000, checkpoint_dir=str(ckpt))
-        results = run_on_ranks(_train_with_a_signal_on_one_rank, world, fields, world - 1, 2, timeout=TIMEOUT)
-        assert results == [(3, signal.SIGTERM)] * world, results
+        results = run_on_ranks(_train_with_a_signal_on_one_rank, world, fields, signum, world - 1, 2, timeout=TIMEOUT)
+        assert results == [(3, signum, 128 + signum)] * world, results
         assert CheckpointDir(ckpt).latest().name == "step-00000003", sorted(os.listdir(ckpt))
 
 
@@ -131,8 +133,20 @@ def _wait_for_steps(metrics: Path, proc: subprocess.Popen, steps: int, timeout: 
     raise AssertionError(f"the job did not reach step {steps} in {timeout} s (exit {proc.poll()})")
 
 
+def _send_stop(proc: subprocess.Popen, how: str) -> int:
+    """Stop the job as a scheduler does (SIGTERM to the launcher) or as Ctrl-C does (SIGINT
+    to the terminal's process group: the CLI and torchrun; torchrun's ranks run in sessions
+    of their own, so torchrun hands it on). The signal sent."""
+    if how == "sigterm_to_the_cli":
+        proc.send_signal(signal.SIGTERM)
+        return signal.SIGTERM
+    os.killpg(proc.pid, signal.SIGINT)  # the job started a session of its own: its group is its pid
+    return signal.SIGINT
+
+
 @pytest.mark.launches
-def test_sigterm_stops_after_a_step_writes_its_checkpoint_and_exits_143(tmp_path):
+@pytest.mark.parametrize("how", ["sigterm_to_the_cli", "ctrl_c_to_the_terminal_group"])
+def test_a_stop_signal_ends_the_job_after_a_step_with_its_checkpoint_and_exit_128_plus_it(tmp_path, how):
     ckpt, metrics, log = tmp_path / "ckpt", tmp_path / "metrics.jsonl", tmp_path / "out.log"
     cmd = [sys.executable, "-m", "shardwise", "train", "--nproc", "2", *RUN, "--steps", "100000",
            f"--checkpoint-dir={ckpt}", f"--metrics={metrics}"]
@@ -143,7 +157,7 @@ def test_sigterm_stops_after_a_step_writes_its_checkpoint_and_exits_143(tmp_path
         try:
             _wait_for_steps(metrics, proc, 2, TIMEOUT / 2)
             workers = descendants(proc.pid)  # on a launcher that dies of the signal they would be orphans
-            proc.send_signal(signal.SIGTERM)
+            signum = _send_stop(proc, how)
             returncode = proc.wait(timeout=TIMEOUT / 2)
         finally:
             kill_job(proc)
@@ -153,9 +167,10 @@ def test_sigterm_stops_after_a_step_writes_its_checkpoint_and_exits_143(tmp_path
                 except ProcessLookupError:
                     pass
     output = log.read_text(errors="replace")
-    assert returncode == 128 + signal.SIGTERM, output[-4000:]
+    assert returncode == 128 + signum, output[-4000:]
     _no_native_crash(output)
     last = max(read_metrics(metrics))
-    assert f"stopped       by SIGTERM after step {last} (exit code 143)" in output, output[-4000:]
+    name = signal.Signals(signum).name
+    assert f"stopped       by {name} after step {last} (exit code {128 + signum})" in output, output[-4000:]
     assert CheckpointDir(ckpt).latest() is not None and CheckpointDir(ckpt).latest().name == f"step-{last:08d}", \
         (sorted(os.listdir(ckpt)), last)
